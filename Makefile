@@ -1,0 +1,19 @@
+# Two commands for a fresh machine: `make demo` (install + the main job on a tiny model) and `make test`.
+PY ?= python3
+# The CPU build of torch where this machine has it on disk (fast); otherwise whatever fits the package range.
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test bench
+
+install:
+	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q "torch>=2.4,<3"
+	$(PY) -m pip install -q -e ".[test,eval]"
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/bench_model.py

@@ -1,0 +1,17 @@
+"""DCFormer (DCMHA) for Hugging Face transformers.
+
+Importing this package registers model_type "dcformer" with AutoConfig, AutoModel and AutoModelForCausalLM.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_dcformer import DCFormerConfig
+from .modeling_dcformer import DCFormerCache, DCFormerForCausalLM, DCFormerModel, DCFormerPreTrainedModel
+
+AutoConfig.register(DCFormerConfig.model_type, DCFormerConfig, exist_ok=True)
+AutoModel.register(DCFormerConfig, DCFormerModel, exist_ok=True)
+AutoModelForCausalLM.register(DCFormerConfig, DCFormerForCausalLM, exist_ok=True)
+
+__version__ = "0.1.0"
+
+__all__ = ["DCFormerCache", "DCFormerConfig", "DCFormerForCausalLM", "DCFormerModel", "DCFormerPreTrainedModel"]

@@ -1,0 +1,215 @@
+"""Configuration of DCFormer: a GPT-NeoX (DCPythia) or LLaMA-style (DCFormer++) body with DCMHA attention.
+
+Self-contained (imports only `transformers` and the standard library) so that it can travel to the Hub
+as remote code next to `modeling_dcformer.py`.
+"""
+
+import re
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+NORM_TYPES = ("layernorm", "rmsnorm")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[bool]:
+    """Per-layer "is local" flags for a window pattern.
+
+    `None` means the default pattern "LG" (even layers local, odd layers global). A pattern is a string
+    of `L` (local) and `G` (global) letters, each optionally followed by a repeat count, repeated over the
+    layers: "LGLL" is [L, G, L, L]; "LGL6" is [L, G, L, L, L, L, L, L].
+    """
+    pattern = "LG" if window_type is None else window_type
+    if not isinstance(pattern, str) or not re.fullmatch(r"([LG]\d*)+", pattern):
+        raise ValueError(
+            f"window_type={window_type!r} is not a window pattern: use None, 'LG', 'LGLL', 'LGL6' or any "
+            "string of L (local) / G (global) letters, each optionally followed by a repeat count"
+        )
+    flags = []
+    for letter, count in re.findall(r"([LG])(\d*)", pattern):
+        repeat = int(count) if count else 1
+        if repeat < 1:
+            raise ValueError(f"window_type={window_type!r}: a repeat count must be at least 1")
+        flags += [letter == "L"] * repeat
+    return [flags[i % len(flags)] for i in range(num_hidden_layers)]
+
+
+@strict
+class DCFormerConfig(PreTrainedConfig):
+    r"""
+    Configuration of a DCFormer model: a decoder-only Transformer whose attention is DCMHA (Dynamically
+    Composable Multi-Head Attention, Xiao et al., ICML 2024).
+
+    One config covers both released bodies:
+    - DCPythia (GPT-NeoX style, the default): `norm_type="layernorm"`, `use_parallel_residual=True`,
+      `hidden_act="gelu"`, `use_gated_mlp=False`, biases on, `partial_rotary_factor=0.25`.
+    - DCFormer++ (LLaMA style): `norm_type="rmsnorm"`, `use_parallel_residual=False`, `hidden_act="silu"`,
+      `use_gated_mlp=True` (SwiGLU), `attention_bias=mlp_bias=False`, `partial_rotary_factor=1.0`.
+
+    DCMHA options:
+        use_dcmha (`bool`, defaults to `True`): compose heads; `False` is plain multi-head attention.
+        use_qk_norm (`bool`, defaults to `False`): RMSNorm (learned scale, eps `qk_norm_eps`) on q and k per head.
+        window_size (`int`, *optional*): keys a local layer sees, the current one included. `None`: every layer global.
+        window_type (`str`, *optional*): which layers are local when `window_size` is set; see `parse_window_type`.
+        layer_types (`list[str]`, *optional*): explicit per-layer "sliding_attention"/"full_attention"; derived from
+            `window_size`/`window_type` when not given.
+        query_wise (`bool`, defaults to `False`): only the query-wise composition terms (an ablation in the paper).
+        num_head_groups (`int`, defaults to 1): heads are composed within groups of `num_attention_heads / groups`.
+        dynamic_rank (`int`, defaults to 2): rank I of each low-rank dynamic term.
+        dynamic_hidden_size (`int`, *optional*): width K of the dynamic-weight MLP per group and slot,
+            `4 * num_attention_heads / num_head_groups` when not given.
+        attention_chunk_size (`int`, defaults to 512): queries processed at a time by the attention, bounding its
+            memory to (heads x chunk x visible keys).
+    """
+
+    model_type = "dcformer"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {"sliding_window": "window_size", "rms_norm_eps": "layer_norm_eps"}
+    base_model_tp_plan = None
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 50432
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    use_gated_mlp: bool = False
+    norm_type: str = "layernorm"
+    layer_norm_eps: float = 1e-5
+    use_parallel_residual: bool = True
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    max_position_embeddings: int = 2048
+    rope_parameters: RopeParameters | dict | None = None
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 0
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    # DCMHA
+    use_dcmha: bool = True
+    use_qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    window_size: int | None = None
+    window_type: str | None = None
+    layer_types: list[str] | None = None
+    query_wise: bool = False
+    num_head_groups: int = 1
+    dynamic_rank: int = 2
+    dynamic_hidden_size: int | None = None
+    attention_chunk_size: int = 512
+
+    def __post_init__(self, **kwargs):
+        # Pythia's name for the rotary fraction is accepted on the way in.
+        if "rotary_pct" in kwargs:
+            kwargs.setdefault("partial_rotary_factor", kwargs.pop("rotary_pct"))
+        if self.rope_parameters is None and "partial_rotary_factor" not in kwargs:
+            kwargs["partial_rotary_factor"] = 0.25
+        self._check_sizes()
+        if self.dynamic_hidden_size is None:
+            self.dynamic_hidden_size = 4 * (self.num_attention_heads // self.num_head_groups)
+        if self.layer_types is None:
+            if self.window_size is None:
+                self.layer_types = ["full_attention"] * self.num_hidden_layers
+            else:
+                local = parse_window_type(self.window_type, self.num_hidden_layers)
+                self.layer_types = ["sliding_attention" if f else "full_attention" for f in local]
+        super().__post_init__(**kwargs)
+        self._check_dcmha()
+
+    def _check_sizes(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "num_head_groups",
+            "dynamic_rank",
+            "attention_chunk_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dynamic_hidden_size is not None and self.dynamic_hidden_size < 1:
+            raise ValueError(f"dynamic_hidden_size must be a positive integer, got {self.dynamic_hidden_size!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_head_groups:
+            raise ValueError(
+                f"num_head_groups ({self.num_head_groups}) must divide num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.norm_type not in NORM_TYPES:
+            raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
+        for name in ("layer_norm_eps", "qk_norm_eps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.window_size is not None:
+            if not isinstance(self.window_size, int) or self.window_size < 1:
+                raise ValueError(f"window_size must be a positive integer or None, got {self.window_size!r}")
+            if self.window_size > self.max_position_embeddings:
+                raise ValueError(
+                    f"window_size ({self.window_size}) is larger than max_position_embeddings "
+                    f"({self.max_position_embeddings}): a local layer would be global; use window_size=None"
+                )
+        parse_window_type(self.window_type, 1)  # validates the pattern even when no layer is local
+
+    def _check_dcmha(self):
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for layer_type in self.layer_types:
+            if layer_type not in LAYER_TYPES:
+                raise ValueError(f"layer_types entries must be one of {LAYER_TYPES}, got {layer_type!r}")
+        if "sliding_attention" in self.layer_types and self.window_size is None:
+            raise ValueError("layer_types has sliding_attention layers but window_size is None")
+        factor = self.rope_parameters.get("partial_rotary_factor", 1.0)
+        if not 0.0 <= factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in [0, 1], got {factor!r}")
+        if int(self.head_dim * factor) % 2:
+            raise ValueError(
+                f"partial_rotary_factor ({factor}) times head_dim ({self.head_dim}) must give an even number "
+                "of rotary dimensions"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_theta(self) -> float:
+        if not self.rope_parameters or "rope_theta" not in self.rope_parameters:
+            raise AttributeError("rope_theta is not set yet")  # read by transformers while standardising
+        return self.rope_parameters["rope_theta"]
+
+    @property
+    def partial_rotary_factor(self) -> float:
+        if not self.rope_parameters:
+            raise AttributeError("partial_rotary_factor is not set yet")
+        return self.rope_parameters.get("partial_rotary_factor", 1.0)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_head_groups
+
+    @property
+    def num_composition_slots(self) -> int:
+        """C: (pre-query, pre-key, post-query, post-key), or only the query slots when `query_wise`."""
+        return 2 if self.query_wise else 4
+
+
+__all__ = ["DCFormerConfig", "parse_window_type"]

@@ -1,0 +1,681 @@
+"""DCFormer: a causal LM whose attention is DCMHA (Dynamically Composable Multi-Head Attention).
+
+Xiao, Meng, Li, Yuan, "Improving Transformers with Dynamically Composable Multi-Head Attention", ICML 2024.
+The maths follows `shared/DCMHA.md`; this file is self-contained (torch + transformers + the config next to
+it) so that it can travel to the Hub as remote code.
+
+Layout of one attention layer (`DCFormerAttention`):
+    qkv_proj            fused [q; k; v] projection, all queries then all keys then all values
+    q_norm, k_norm      optional per-head RMSNorm (qk-norm)
+    dyn_w_proj          the composition weights' generator: dw1 [D, G, C, K], qkw [G, C, K, 2I, M], dd [D, G, C*M]
+    o_proj              output projection
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import logging
+
+from .configuration_dcformer import DCFormerConfig
+
+logger = logging.get_logger(__name__)
+
+DW_RMS_EPS = 1e-6  # eps of the RMS normalisation of the dynamic w1 factors (spec, step 5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Norms, rotary embedding, MLP
+# ----------------------------------------------------------------------------------------------------------------
+class DCFormerRMSNorm(nn.Module):
+    """RMSNorm with a learned scale, computed in fp32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+
+class DCFormerLayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 whatever the parameter dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+def make_norm(config: DCFormerConfig) -> nn.Module:
+    if config.norm_type == "rmsnorm":
+        return DCFormerRMSNorm(config.hidden_size, eps=config.layer_norm_eps)
+    return DCFormerLayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class DCFormerRotaryEmbedding(nn.Module):
+    """Rotary embedding over the first `partial_rotary_factor * head_dim` dims (GPT-NeoX "rotate half")."""
+
+    def __init__(self, config: DCFormerConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: DCFormerConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling  # fp32, [B, T, rot]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, N, T, Dh]; cos/sin: [B, T, rot] (fp32). Rotates the first `rot` dims, in fp32."""
+    rot = cos.shape[-1]
+    if rot == 0:
+        return x
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x_rot, x_pass = x[..., :rot].float(), x[..., rot:]
+    x_rot = x_rot * cos + rotate_half(x_rot) * sin
+    return torch.cat((x_rot.to(x.dtype), x_pass), dim=-1)
+
+
+class DCFormerMLP(nn.Module):
+    """`down(act(up x))`, or SwiGLU-style `down(act(gate x) * up x)` when `use_gated_mlp`."""
+
+    def __init__(self, config: DCFormerConfig):
+        super().__init__()
+        self.use_gated_mlp = config.use_gated_mlp
+        if self.use_gated_mlp:
+            self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_gated_mlp:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DCMHA
+# ----------------------------------------------------------------------------------------------------------------
+class DynamicWeightProjection(nn.Module):
+    """Generates the composition weights of every position from the attention input x (spec, step 5).
+
+    Parameters keep the released names and shapes: dw1 [D, G, C, K], qkw [G, C, K, 2I, M], dd [D, G, C*M].
+    `forward` returns the terms of every slot packed as [B, T, G, C, 2I+1, M]: rows 0..I-1 are w1
+    (RMS-normalised over M), rows I..2I-1 are w2, and row 2I is the diagonal (tanh).
+    """
+
+    def __init__(self, config: DCFormerConfig):
+        super().__init__()
+        D, G, M = config.hidden_size, config.num_head_groups, config.heads_per_group
+        C, K, I = config.num_composition_slots, config.dynamic_hidden_size, config.dynamic_rank
+        self.num_groups, self.num_slots, self.rank, self.heads_per_group = G, C, I, M
+        self.dw1 = nn.Parameter(torch.empty(D, G, C, K))
+        self.qkw = nn.Parameter(torch.empty(G, C, K, 2 * I, M))
+        self.dd = nn.Parameter(torch.empty(D, G, C * M))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        G, C, I, M = self.num_groups, self.num_slots, self.rank, self.heads_per_group
+        h = F.gelu(torch.einsum("btd,dgck->btgck", x, self.dw1.to(x.dtype)))
+        w = torch.einsum("btgck,gckjm->btgcjm", h, self.qkw.to(x.dtype)).float()
+        w1, w2 = w[..., :I, :], w[..., I:, :]
+        w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + DW_RMS_EPS)
+        dd = torch.tanh(torch.einsum("btd,dgm->btgm", x, self.dd.to(x.dtype)).float()).view(B, T, G, C, 1, M)
+        return torch.cat((w1, w2, dd), dim=4)
+
+
+def compose(
+    scores: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    rank: int,
+) -> torch.Tensor:
+    """Compose heads of `scores` ([B, G, M, T, S], fp32) for one slot pair.
+
+    query_terms: [B, T, G, 2I+1, M] (w1, w2, dd of the query slot, indexed by t);
+    key_terms:   [B, S, G, 2I+1, M] (of the key slot, indexed by s) or None for query-wise composition.
+        out[m,t,s] = A[m,t,s] (1 + qdd[t,m] + kdd[s,m])
+                   + sum_i (sum_n A[n,t,s] qw1[t,i,n]) qw2[t,i,m] + sum_i (sum_n A[n,t,s] kw1[s,i,n]) kw2[s,i,m]
+    """
+    I = rank
+    qw1, qw2, qdd = query_terms[..., :I, :], query_terms[..., I : 2 * I, :], query_terms[..., 2 * I, :]
+    diag = 1 + qdd.permute(0, 2, 3, 1).unsqueeze(-1)  # [B, G, M, T, 1]
+    if key_terms is not None:
+        kdd = key_terms[..., 2 * I, :]
+        diag = diag + kdd.permute(0, 2, 3, 1).unsqueeze(-2)  # [B, G, M, T, S]
+    out = scores * diag
+    hidden = torch.einsum("bgnts,btgin->bgits", scores, qw1)
+    out = out + torch.einsum("bgits,btgim->bgmts", hidden, qw2)
+    if key_terms is not None:
+        kw1, kw2 = key_terms[..., :I, :], key_terms[..., I : 2 * I, :]
+        hidden = torch.einsum("bgnts,bsgin->bgits", scores, kw1)
+        out = out + torch.einsum("bgits,bsgim->bgmts", hidden, kw2)
+    return out
+
+
+def dcmha_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_terms: torch.Tensor | None,
+    key_terms: torch.Tensor | None,
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    window_size: int | None,
+    rank: int,
+    num_groups: int,
+    chunk_size: int,
+    output_attentions: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal (optionally windowed) DCMHA over query chunks.
+
+    query: [B, N, T, Dh]; key/value: [B, N, S, Dh].
+    query_terms: [B, T, G, Cq, 2I+1, M] (slots pre-query, post-query) or None (plain MHA);
+    key_terms: [B, S, G, Ck, 2I+1, M] (slots pre-key, post-key) or None (query-wise / plain).
+    query_index [T], key_index [S]: absolute token indices (past tokens included), increasing.
+    key_padding_mask: [B, S] bool, True where the key is a real token, or None.
+    A query t sees a key s when key_index[s] <= query_index[t] (and > query_index[t] - window_size on a
+    local layer) and the key is not padding. Each chunk of queries only touches the keys it can see, so a
+    chunk's largest tensors are [B, N, chunk, visible keys].
+    Returns the attention output [B, T, N, Dh] and, if asked, the composed probabilities [B, N, T, S].
+    """
+    B, N, T, Dh = query.shape
+    S = key.shape[2]
+    G, M = num_groups, N // num_groups
+    scaling = Dh**-0.5
+    out = query.new_empty(B, T, N, Dh)
+    probs_all = query.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
+    k0 = int(key_index[0]) if S > 0 else 0
+    for t0 in range(0, T, chunk_size):
+        t1 = min(T, t0 + chunk_size)
+        q_idx = query_index[t0:t1]
+        last, first = int(q_idx[-1]), int(q_idx[0])
+        s1 = min(S, last - k0 + 1)
+        s0 = max(0, first - window_size + 1 - k0) if window_size is not None else 0
+        k_idx = key_index[s0:s1]
+        allowed = k_idx[None, :] <= q_idx[:, None]
+        if window_size is not None:
+            allowed = allowed & (k_idx[None, :] > q_idx[:, None] - window_size)
+        allowed = allowed[None, None]  # [1, 1, c, s]
+        if key_padding_mask is not None:
+            allowed = allowed & key_padding_mask[:, None, None, s0:s1]
+        q = query[:, :, t0:t1]
+        k, v = key[:, :, s0:s1], value[:, :, s0:s1]
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling  # [B, N, c, s]
+        c, s = scores.shape[-2:]
+        if query_terms is not None:
+            qt = query_terms[:, t0:t1]
+            kt = key_terms[:, s0:s1] if key_terms is not None else None
+            scores = compose(
+                scores.view(B, G, M, c, s), qt[:, :, :, 0], kt[:, :, :, 0] if kt is not None else None, rank
+            ).view(B, N, c, s)
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1)
+        if query_terms is not None:
+            probs = compose(
+                probs.view(B, G, M, c, s), qt[:, :, :, 1], kt[:, :, :, 1] if kt is not None else None, rank
+            ).view(B, N, c, s)
+            probs = probs.masked_fill(~allowed, 0.0)  # rows with no visible key (padding) stay finite
+        if probs_all is not None:
+            probs_all[:, :, t0:t1, s0:s1] = probs
+        out[:, t0:t1] = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+    return out, probs_all
+
+
+class DCFormerAttention(nn.Module):
+    """Dynamically Composable Multi-Head Attention (spec, "One DCMHA layer")."""
+
+    def __init__(self, config: DCFormerConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.window_size = config.window_size if config.layer_types[layer_idx] == "sliding_attention" else None
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        if config.use_qk_norm:
+            self.q_norm = DCFormerRMSNorm(self.head_dim, eps=config.qk_norm_eps)
+            self.k_norm = DCFormerRMSNorm(self.head_dim, eps=config.qk_norm_eps)
+        if config.use_dcmha:
+            self.dyn_w_proj = DynamicWeightProjection(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        query_index: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: "DCFormerCache | None" = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, D = hidden_states.shape
+        N, Dh = self.num_heads, self.head_dim
+        qkv = self.qkv_proj(hidden_states).view(B, T, 3, N, Dh)
+        query, key, value = qkv.unbind(2)
+        if self.config.use_qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, N, T, Dh]
+        cos, sin = position_embeddings
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+
+        query_terms = key_terms = None
+        if self.config.use_dcmha:
+            terms = self.dyn_w_proj(hidden_states)  # [B, T, G, C, 2I+1, M]
+            if self.config.query_wise:  # slots (pre-query, post-query)
+                query_terms, key_terms = terms, None
+            else:  # slots (pre-query, pre-key, post-query, post-key)
+                query_terms, key_terms = terms[:, :, :, 0::2], terms[:, :, :, 1::2]
+
+        key_index = query_index
+        if past_key_values is not None:
+            key, value, key_terms, key_index = past_key_values.update_dcmha(
+                key, value, key_terms, self.layer_idx, self.window_size
+            )
+        key_padding_mask = None if padding_mask is None else padding_mask[:, key_index]
+        out, probs = dcmha_attention(
+            query,
+            key,
+            value,
+            query_terms,
+            key_terms,
+            query_index,
+            key_index,
+            key_padding_mask,
+            self.window_size,
+            rank=self.config.dynamic_rank,
+            num_groups=self.config.num_head_groups,
+            chunk_size=self.config.attention_chunk_size,
+            output_attentions=output_attentions,
+        )
+        return self.o_proj(out.reshape(B, T, D)), probs
+
+
+class DCFormerDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: DCFormerConfig, layer_idx: int):
+        super().__init__()
+        self.use_parallel_residual = config.use_parallel_residual
+        self.input_layernorm = make_norm(config)
+        self.post_attention_layernorm = make_norm(config)
+        self.self_attn = DCFormerAttention(config, layer_idx)
+        self.mlp = DCFormerMLP(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        query_index: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: "DCFormerCache | None" = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn_output, probs = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            query_index=query_index,
+            padding_mask=padding_mask,
+            past_key_values=past_key_values,
+            output_attentions=output_attentions,
+        )
+        if self.use_parallel_residual:
+            hidden_states = hidden_states + attn_output + self.mlp(self.post_attention_layernorm(hidden_states))
+        else:
+            hidden_states = hidden_states + attn_output
+            hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states, probs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cache
+# ----------------------------------------------------------------------------------------------------------------
+class DCFormerCacheLayer(DynamicLayer):
+    """One layer's cache: keys and values [B, N, S, Dh] and each key's composition factors
+    [B, S, G, Ck, 2I+1, M] (w1, w2 and the diagonal of the pre- and post-key slots: 10 N numbers a key with
+    I = 2, never N x N matrices). A local layer keeps only the last `window_size - 1` keys between steps."""
+
+    def __init__(self, window_size: int | None = None):
+        super().__init__()
+        self.window_size = window_size
+        self.is_sliding = window_size is not None
+        self.is_croppable = window_size is None
+        self.key_terms: torch.Tensor | None = None
+        self.cumulative_length = 0
+
+    def update_dcmha(self, key, value, key_terms):
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+            self.keys, self.values = key, value
+            self.key_terms = key_terms
+        else:
+            self.keys = torch.cat([self.keys, key], dim=-2)
+            self.values = torch.cat([self.values, value], dim=-2)
+            if key_terms is not None:
+                self.key_terms = torch.cat([self.key_terms, key_terms], dim=1)
+        self.cumulative_length += key.shape[-2]
+        full = (self.keys, self.values, self.key_terms)
+        if self.window_size is not None and self.keys.shape[-2] > self.window_size - 1:
+            keep = self.window_size - 1
+            self.keys = self.keys[..., self.keys.shape[-2] - keep :, :]
+            self.values = self.values[..., self.values.shape[-2] - keep :, :]
+            if self.key_terms is not None:
+                self.key_terms = self.key_terms[:, self.key_terms.shape[1] - keep :]
+        return full
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("DCFormer layers update their cache through DCFormerCache.update_dcmha")
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.key_terms = None
+        self.cumulative_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.window_size is not None:
+            raise ValueError("A local (sliding-window) DCFormer cache layer cannot be cropped")
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0 and self.is_initialized:
+            if self.key_terms is not None:
+                self.key_terms = self.key_terms[:, :tokens_to_remove]
+            self.cumulative_length = self.keys.shape[-2]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.key_terms is not None and self.get_seq_length() > 0:
+            self.key_terms = self.key_terms.index_select(0, beam_idx.to(self.key_terms.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.key_terms is not None and self.get_seq_length() > 0:
+            self.key_terms = self.key_terms.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.key_terms is not None and self.get_seq_length() > 0:
+            self.key_terms = self.key_terms[indices, ...]
+
+
+class DCFormerCache(Cache):
+    """Cache of a DCFormer model: one `DCFormerCacheLayer` per layer (local layers keep only their window)."""
+
+    def __init__(self, config: DCFormerConfig):
+        layers = [
+            DCFormerCacheLayer(config.window_size if layer_type == "sliding_attention" else None)
+            for layer_type in config.layer_types
+        ]
+        super().__init__(layers=layers)
+
+    def update_dcmha(self, key, value, key_terms, layer_idx: int, window_size: int | None):
+        """Append this step's keys, values and key composition terms; returns what the step attends to:
+        (keys, values, key_terms, key_index) with key_index the absolute token index of each key."""
+        layer = self.layers[layer_idx]
+        keys, values, terms = layer.update_dcmha(key, value, key_terms)
+        total = layer.cumulative_length
+        key_index = torch.arange(total - keys.shape[-2], total, device=keys.device)
+        return keys, values, terms, key_index
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if self.layers else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------
+class DCFormerPreTrainedModel(PreTrainedModel):
+    config_class = DCFormerConfig
+    config: DCFormerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DCFormerDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    # DCMHA is computed by this file's own attention; no flash/SDPA/flex kernel can compose heads.
+    _supports_flash_attn = False
+    _supports_sdpa = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = False
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, DynamicWeightProjection):
+            init.normal_(module.dw1, mean=0.0, std=std)
+            init.normal_(module.qkw, mean=0.0, std=std)
+            init.normal_(module.dd, mean=0.0, std=std)
+
+
+def positions_from_padding(attention_mask: torch.Tensor, past_length: int, length: int) -> torch.Tensor:
+    """Position ids of the last `length` tokens from a 2D padding mask covering past and present tokens:
+    real tokens are numbered 0, 1, ... in each row whatever the padding before them."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    positions = positions.clamp(min=0)
+    return positions[:, past_length : past_length + length]
+
+
+class DCFormerModel(DCFormerPreTrainedModel):
+    def __init__(self, config: DCFormerConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [DCFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = make_norm(config)
+        self.rotary_emb = DCFormerRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast | tuple:
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if self.gradient_checkpointing and self.training and use_cache:
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing; using use_cache=False.")
+            use_cache = False
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+
+        if past_key_values is not None and not isinstance(past_key_values, DCFormerCache):
+            if past_key_values.get_seq_length() > 0:
+                raise TypeError(
+                    f"DCFormer needs a DCFormerCache (keys' composition terms are cached too), got a filled "
+                    f"{type(past_key_values).__name__}"
+                )
+            past_key_values = None  # an empty generic cache: replace it with ours
+        if use_cache and past_key_values is None:
+            past_key_values = DCFormerCache(self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        query_index = torch.arange(past_length, past_length + T, device=device)
+
+        padding_mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"attention_mask must be a 2D [batch, past + new tokens] padding mask, got shape "
+                    f"{tuple(attention_mask.shape)}"
+                )
+            if attention_mask.shape != (B, past_length + T):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)} but the batch has {B} rows of "
+                    f"{past_length} cached + {T} new tokens"
+                )
+            padding_mask = attention_mask.to(device=device, dtype=torch.bool)
+            if bool(padding_mask.all()):
+                padding_mask = None
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = positions_from_padding(attention_mask.to(device), past_length, T)
+            else:
+                position_ids = query_index.unsqueeze(0).expand(B, T)
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states, probs = layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                query_index=query_index,
+                padding_mask=padding_mask,
+                past_key_values=past_key_values,
+                output_attentions=output_attentions,
+            )
+            if output_attentions:
+                all_attentions += (probs,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DCFormerConfig):
+        super().__init__(config)
+        self.model = DCFormerModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model builds its own DCFormerCache on the first forward with use_cache
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = [
+    "DCFormerCache",
+    "DCFormerForCausalLM",
+    "DCFormerModel",
+    "DCFormerPreTrainedModel",
+    "compose",
+    "dcmha_attention",
+]
