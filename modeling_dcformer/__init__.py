@@ -5,13 +5,15 @@ Importing this package registers model_type "dcformer" with AutoConfig, AutoMode
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .configuration_dcformer import DCFormerConfig
+from .configuration_dcformer import DCFormerConfig, DCPythiaConfig
 from .modeling_dcformer import DCFormerCache, DCFormerForCausalLM, DCFormerModel, DCFormerPreTrainedModel
 
 AutoConfig.register(DCFormerConfig.model_type, DCFormerConfig, exist_ok=True)
+# The released Caiyun-AI/DCPythia-6.9B config: loads as the equivalent DCFormerConfig.
+AutoConfig.register(DCPythiaConfig.model_type, DCPythiaConfig, exist_ok=True)
 AutoModel.register(DCFormerConfig, DCFormerModel, exist_ok=True)
 AutoModelForCausalLM.register(DCFormerConfig, DCFormerForCausalLM, exist_ok=True)
 
 __version__ = "0.1.0"
 
-__all__ = ["DCFormerCache", "DCFormerConfig", "DCFormerForCausalLM", "DCFormerModel", "DCFormerPreTrainedModel"]
+__all__ = ["DCFormerCache", "DCFormerConfig", "DCFormerForCausalLM", "DCFormerModel", "DCFormerPreTrainedModel", "DCPythiaConfig"]

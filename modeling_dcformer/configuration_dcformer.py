@@ -10,6 +10,8 @@ from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from .released_format import is_released_config, translate_released_config
+
 NORM_TYPES = ("layernorm", "rmsnorm")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -186,6 +188,14 @@ class DCFormerConfig(PreTrainedConfig):
                 "of rotary dimensions"
             )
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """Also accepts the authors' released config files (keys `dim`, `n_layer`, `n_head`, ...; model_type
+        "dcpythia" or "dcformer"), translated to ours."""
+        if is_released_config(config_dict):
+            config_dict = translate_released_config(config_dict)
+        return super().from_dict(config_dict, **kwargs)
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
@@ -212,4 +222,19 @@ class DCFormerConfig(PreTrainedConfig):
         return 2 if self.query_wise else 4
 
 
-__all__ = ["DCFormerConfig", "parse_window_type"]
+class DCPythiaConfig(DCFormerConfig):
+    """model_type "dcpythia" of the released Caiyun-AI/DCPythia-6.9B: loading such a config gives the
+    equivalent `DCFormerConfig` (our names, model_type "dcformer")."""
+
+    model_type = "dcpythia"
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        config_dict = dict(config_dict)
+        config_dict.setdefault("model_type", "dcpythia")
+        if not is_released_config(config_dict):
+            raise ValueError("a model_type 'dcpythia' config must carry the released keys dim, n_layer, n_head")
+        return DCFormerConfig.from_dict(config_dict, **kwargs)
+
+
+__all__ = ["DCFormerConfig", "DCPythiaConfig", "parse_window_type"]

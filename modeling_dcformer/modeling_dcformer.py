@@ -28,6 +28,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
 from .configuration_dcformer import DCFormerConfig
+from .released_format import IGNORED as RELEASED_IGNORED_KEYS
 
 logger = logging.get_logger(__name__)
 
@@ -479,6 +480,35 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = False
     _can_compile_fullgraph = False
+    # Derived tensors of the authors' released checkpoints: never used (see released_format.py).
+    _keys_to_ignore_on_load_unexpected = RELEASED_IGNORED_KEYS
+
+    def __init__(self, config: DCFormerConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        register_released_layout(config)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, refusing checkpoints with missing tensors (transformers would
+        initialise them randomly and only warn). Loads our layout and the authors' released one alike."""
+        want_info = kwargs.get("output_loading_info", False)
+        allow_mismatch = kwargs.get("ignore_mismatched_sizes", False)
+        kwargs["output_loading_info"] = kwargs["ignore_mismatched_sizes"] = True
+        model, info = super().from_pretrained(*args, **kwargs)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if info["mismatched_keys"] and not allow_mismatch:
+            shapes = "; ".join(
+                f"{key}: checkpoint {tuple(ckpt)} vs model {tuple(ours)}" for key, ckpt, ours in info["mismatched_keys"]
+            )
+            raise ValueError(f"checkpoint {source!r} has tensors of the wrong shape: {shapes}")
+        if info["missing_keys"] and not want_info:
+            raise ValueError(f"checkpoint {source!r} lacks tensors the model needs: {sorted(info['missing_keys'])}")
+        return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+        """Always saves our native layout (transformers would otherwise revert the load-time renaming of the
+        released layout)."""
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -487,6 +517,36 @@ class DCFormerPreTrainedModel(PreTrainedModel):
             init.normal_(module.dw1, mean=0.0, std=std)
             init.normal_(module.qkw, mean=0.0, std=std)
             init.normal_(module.dd, mean=0.0, std=std)
+
+
+def register_released_layout(config: DCFormerConfig) -> None:
+    """Teach transformers' load-time weight conversion the authors' released key names for this body
+    (their MLP's `w1` is our `gate_proj` in the gated body and `up_proj` otherwise), so that `from_pretrained`
+    reads released checkpoints directly. Only released names match these patterns; ours load unchanged."""
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
+
+    renames = [
+        (r"^tok_embeddings", "embed_tokens"),
+        (r"attention\.wqkv", "self_attn.qkv_proj"),
+        (r"attention\.wo", "self_attn.o_proj"),
+        (r"attention\.dyn_w_proj", "self_attn.dyn_w_proj"),
+        (r"attention\.q_norm\.scale", "self_attn.q_norm.weight"),
+        (r"attention\.k_norm\.scale", "self_attn.k_norm.weight"),
+        (r"attention_norm", "input_layernorm"),
+        (r"ffn_norm", "post_attention_layernorm"),
+        (r"feed_forward\.w1", "mlp.gate_proj" if config.use_gated_mlp else "mlp.up_proj"),
+        (r"feed_forward\.w2", "mlp.down_proj"),
+        (r"feed_forward\.w3", "mlp.up_proj"),
+        (r"^output", "lm_head"),
+    ]
+    mapping = [WeightRenaming(source, target) for source, target in renames]
+    mapping.append(
+        WeightConverter(
+            [r"attention\.wq", r"attention\.wk", r"attention\.wv"], "self_attn.qkv_proj", operations=[Concatenate(dim=0)]
+        )
+    )
+    register_checkpoint_conversion_mapping(config.model_type, mapping, overwrite=True)
 
 
 def positions_from_padding(attention_mask: torch.Tensor, past_length: int, length: int) -> torch.Tensor:

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny DCFormer configs and models whose composition weights actually matter."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the package is used from the checkout, installed or not
+    sys.path.insert(0, ROOT)
+
+import modeling_dcformer  # noqa: E402,F401  (registers model_type "dcformer" with the Auto classes)
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
+
+TINY = dict(
+    vocab_size=100,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=128,
+    eos_token_id=None,  # generation runs to max_new_tokens unless a test asks otherwise
+)
+
+
+def randomize_dyn_w(model: torch.nn.Module, std: float = 0.5, seed: int = 1234) -> torch.nn.Module:
+    """Overwrite every DCMHA dynamic-weight parameter (dw1, qkw, dd) with N(0, std^2): the default init is so
+    small that a caching or padding bug in the composition terms would hide under the tolerances."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "dyn_w_proj" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * std)
+    return model
+
+
+@pytest.fixture
+def tiny_config():
+    """Factory: `tiny_config(**overrides)` -> a DCFormerConfig of a tiny model (hidden 32, 4 heads, vocab 100)."""
+
+    def make(**overrides) -> DCFormerConfig:
+        return DCFormerConfig(**{**TINY, **overrides})
+
+    return make
+
+
+@pytest.fixture
+def tiny_model(tiny_config):
+    """Factory: `tiny_model(seed=0, dyn_std=0.5, **config_overrides)` -> an fp32 DCFormerForCausalLM in eval mode
+    with randomised dynamic-weight projections (`dyn_std=None` keeps the default init)."""
+
+    def make(seed: int = 0, dyn_std: float | None = 0.5, **overrides) -> DCFormerForCausalLM:
+        torch.manual_seed(seed)
+        model = DCFormerForCausalLM(tiny_config(**overrides)).eval()
+        if dyn_std is not None:
+            randomize_dyn_w(model, std=dyn_std, seed=seed + 1)
+        return model
+
+    return make
