@@ -29,6 +29,7 @@ from transformers.utils import logging
 
 from .configuration_dcformer import DCFormerConfig
 from .released_format import IGNORED as RELEASED_IGNORED_KEYS
+from .released_format import key_renames
 
 logger = logging.get_logger(__name__)
 
@@ -526,21 +527,7 @@ def register_released_layout(config: DCFormerConfig) -> None:
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
     from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
 
-    renames = [
-        (r"^tok_embeddings", "embed_tokens"),
-        (r"attention\.wqkv", "self_attn.qkv_proj"),
-        (r"attention\.wo", "self_attn.o_proj"),
-        (r"attention\.dyn_w_proj", "self_attn.dyn_w_proj"),
-        (r"attention\.q_norm\.scale", "self_attn.q_norm.weight"),
-        (r"attention\.k_norm\.scale", "self_attn.k_norm.weight"),
-        (r"attention_norm", "input_layernorm"),
-        (r"ffn_norm", "post_attention_layernorm"),
-        (r"feed_forward\.w1", "mlp.gate_proj" if config.use_gated_mlp else "mlp.up_proj"),
-        (r"feed_forward\.w2", "mlp.down_proj"),
-        (r"feed_forward\.w3", "mlp.up_proj"),
-        (r"^output", "lm_head"),
-    ]
-    mapping = [WeightRenaming(source, target) for source, target in renames]
+    mapping = [WeightRenaming(source, target) for source, target in key_renames(config.use_gated_mlp)]
     mapping.append(
         WeightConverter(
             [r"attention\.wq", r"attention\.wk", r"attention\.wv"], "self_attn.qkv_proj", operations=[Concatenate(dim=0)]

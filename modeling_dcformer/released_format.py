@@ -105,23 +105,23 @@ def translate_released_config(config_dict: dict) -> dict:
     return ours
 
 
-def state_dict_renames(use_gated_mlp: bool) -> list[tuple[str, str]]:
-    """(regex on a released key, replacement giving our key in `DCFormerForCausalLM`), prefix-free keys."""
-    layer = r"^layers\.(\d+)\."
-    ours = r"model.layers.\1."
+def key_renames(use_gated_mlp: bool) -> list[tuple[str, str]]:
+    """Renames from a released (prefix-free) key to ours, each (regex, replacement of the matched part),
+    applied in turn. The released MLP's `w1` is our `gate_proj` in the gated body and `up_proj` otherwise.
+    Keys of the base model then take the prefix `model.` in `DCFormerForCausalLM` (see `native_key`)."""
     return [
-        (r"^tok_embeddings\.weight$", "model.embed_tokens.weight"),
-        (layer + r"attention\.wqkv\.(weight|bias)$", ours + r"self_attn.qkv_proj.\2"),
-        (layer + r"attention\.wo\.(weight|bias)$", ours + r"self_attn.o_proj.\2"),
-        (layer + r"attention\.dyn_w_proj\.(dw1|qkw|dd)$", ours + r"self_attn.dyn_w_proj.\2"),
-        (layer + r"attention\.(q_norm|k_norm)\.scale$", ours + r"self_attn.\2.weight"),
-        (layer + r"attention_norm\.(weight|bias)$", ours + r"input_layernorm.\2"),
-        (layer + r"ffn_norm\.(weight|bias)$", ours + r"post_attention_layernorm.\2"),
-        (layer + r"feed_forward\.w1\.(weight|bias)$", ours + (r"mlp.gate_proj.\2" if use_gated_mlp else r"mlp.up_proj.\2")),
-        (layer + r"feed_forward\.w2\.(weight|bias)$", ours + r"mlp.down_proj.\2"),
-        (layer + r"feed_forward\.w3\.(weight|bias)$", ours + r"mlp.up_proj.\2"),
-        (r"^norm\.(weight|bias)$", r"model.norm.\1"),
-        (r"^output\.weight$", "lm_head.weight"),
+        (r"^tok_embeddings", "embed_tokens"),
+        (r"attention\.wqkv", "self_attn.qkv_proj"),
+        (r"attention\.wo", "self_attn.o_proj"),
+        (r"attention\.dyn_w_proj", "self_attn.dyn_w_proj"),
+        (r"attention\.q_norm\.scale", "self_attn.q_norm.weight"),
+        (r"attention\.k_norm\.scale", "self_attn.k_norm.weight"),
+        (r"attention_norm", "input_layernorm"),
+        (r"ffn_norm", "post_attention_layernorm"),
+        (r"feed_forward\.w1", "mlp.gate_proj" if use_gated_mlp else "mlp.up_proj"),
+        (r"feed_forward\.w2", "mlp.down_proj"),
+        (r"feed_forward\.w3", "mlp.up_proj"),
+        (r"^output", "lm_head"),
     ]
 
 
@@ -139,11 +139,24 @@ IGNORED_RE = re.compile("|".join(f"(?:{p})" for p in IGNORED))
 
 
 def native_key(released_key: str, use_gated_mlp: bool) -> str | None:
-    """Our key for a released key; None for an ignored derived tensor. Split wq/wk/wv keys are returned
-    unchanged (the caller concatenates them). Raises KeyError for a key that is neither."""
-    if IGNORED_RE.search(released_key) or SPLIT_QKV.match(released_key):
-        return None if IGNORED_RE.search(released_key) else released_key
-    for pattern, replacement in state_dict_renames(use_gated_mlp):
-        if re.match(pattern, released_key):
-            return re.sub(pattern, replacement, released_key)
-    raise KeyError(released_key)
+    """Our `DCFormerForCausalLM` key for a released key; None for an ignored derived tensor. Split wq/wk/wv
+    keys are returned unchanged (the caller concatenates them). Raises KeyError for any other key."""
+    if IGNORED_RE.search(released_key):
+        return None
+    if SPLIT_QKV.match(released_key):
+        return released_key
+    key = released_key
+    for pattern, replacement in key_renames(use_gated_mlp):
+        key = re.sub(pattern + r"(?!\w)", replacement, key, count=1)
+    if not re.fullmatch(RELEASED_KEY, released_key):
+        raise KeyError(released_key)
+    return key if key.startswith("lm_head.") else "model." + key
+
+
+# Every key of the released layout (besides the split q/k/v and the ignored derived tensors).
+RELEASED_KEY = (
+    r"tok_embeddings\.weight|output\.weight|norm\.(weight|bias)"
+    r"|layers\.\d+\.(attention\.(wqkv|wo)\.(weight|bias)|attention\.dyn_w_proj\.(dw1|qkw|dd)"
+    r"|attention\.(q_norm|k_norm)\.scale|(attention_norm|ffn_norm)\.(weight|bias)"
+    r"|feed_forward\.w[123]\.(weight|bias))"
+)

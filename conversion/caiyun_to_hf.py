@@ -1,0 +1,159 @@
+"""Re-save an authors' released DCFormer checkpoint (Caiyun-AI/DCPythia-6.9B, Caiyun-AI/DCFormer-2.8B, or a
+local directory in that layout) in this project's native layout: our config, safetensors shards, the
+tokenizer files, dtype kept.
+
+    python conversion/caiyun_to_hf.py Caiyun-AI/DCPythia-6.9B ./dcpythia-6.9b-hf
+
+It streams: one source shard and one output shard are in memory at a time, so a 14 GB checkpoint converts
+within a few GB. The destination appears only once complete (written beside it, then renamed).
+"""
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from tqdm.auto import tqdm
+from transformers.utils import logging
+
+from conversion.common import (
+    ShardWriter,
+    atomic_output_dir,
+    copy_tokenizer_files,
+    iter_shard,
+    parse_dtype,
+    parse_size,
+    read_config,
+    resolve_source,
+    weight_files,
+)
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.released_format import SPLIT_QKV, is_released_config, native_key
+
+logger = logging.get_logger("dcformer.caiyun_to_hf")
+IDENTITY_BUFFERS = re.compile(r"dyn_w_proj\.(pre_proj|post_proj)\.w$")
+
+
+def expected_shapes(config: DCFormerConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor our model needs, with its shape (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = DCFormerForCausalLM(config)
+    shapes = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def check_identity_buffer(key: str, tensor: torch.Tensor) -> None:
+    """The released static composition weights must be the identity (static weights off); anything else
+    would change the function and is refused rather than silently dropped."""
+    if tensor.dim() < 2 or tensor.shape[-1] != tensor.shape[-2]:
+        raise ValueError(f"{key}: expected identity matrices, got shape {tuple(tensor.shape)}")
+    eye = torch.eye(tensor.shape[-1], dtype=tensor.dtype).expand_as(tensor)
+    if not torch.equal(tensor, eye):
+        raise ValueError(
+            f"{key} is not the identity: this checkpoint uses learned static composition weights, "
+            "which this implementation does not support"
+        )
+
+
+def convert(
+    src: str,
+    dst: str,
+    overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    revision: str | None = None,
+) -> Path:
+    src_dir = resolve_source(src, revision)
+    raw_config = read_config(src_dir)
+    if not is_released_config(raw_config):
+        raise ValueError(
+            f"{src}: config.json is not in the released DCFormer layout (keys dim, n_layer, n_head); "
+            "a checkpoint already in our layout loads with from_pretrained as it is"
+        )
+    config = DCFormerConfig.from_dict(raw_config)
+    shapes = expected_shapes(config)
+    target_dtype = parse_dtype(dtype)
+    files = weight_files(src_dir)
+    dst_path = Path(dst)
+
+    with atomic_output_dir(dst_path, overwrite) as tmp:
+        writer = ShardWriter(tmp, parse_size(max_shard_size))
+        written: dict[str, torch.dtype] = {}
+        split_parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+
+        def put(key: str, tensor: torch.Tensor, source_key: str) -> None:
+            if key not in shapes:
+                raise ValueError(f"{source_key}: the model has no tensor {key!r} for it (config mismatch?)")
+            if tuple(tensor.shape) != shapes[key]:
+                raise ValueError(
+                    f"{source_key} -> {key}: checkpoint shape {tuple(tensor.shape)} vs model shape {shapes[key]}"
+                )
+            if key in written:
+                raise ValueError(f"{source_key}: {key} appears twice in the checkpoint")
+            written[key] = tensor.dtype
+            writer.add(key, tensor if target_dtype is None else tensor.to(target_dtype))
+
+        for file in tqdm(files, desc="Converting shards", unit="shard"):
+            for source_key, tensor in iter_shard(file):
+                if IDENTITY_BUFFERS.search(source_key):
+                    check_identity_buffer(source_key, tensor)
+                    continue
+                try:
+                    key = native_key(source_key, config.use_gated_mlp)
+                except KeyError:
+                    raise ValueError(f"{file.name}: {source_key!r} is not a key of the released layout") from None
+                if key is None:
+                    continue  # derived tensor (merged copies, cache buffers): recomputed, never trusted
+                split = SPLIT_QKV.match(source_key)
+                if split is None:
+                    put(key, tensor, source_key)
+                    continue
+                layer, part, kind = split.groups()
+                parts = split_parts.setdefault((layer, kind), {})
+                parts[part] = tensor
+                if len(parts) == 3:
+                    fused = torch.cat([parts["wq"], parts["wk"], parts["wv"]], dim=0)
+                    put(f"model.layers.{layer}.self_attn.qkv_proj.{kind}", fused, source_key)
+                    del split_parts[(layer, kind)]
+        if split_parts:
+            incomplete = {f"layers.{layer}.attention.*.{kind}": sorted(p) for (layer, kind), p in split_parts.items()}
+            raise ValueError(f"split q/k/v projections are incomplete (found only): {incomplete}")
+        missing = sorted(set(shapes) - set(written))
+        if missing:
+            raise ValueError(f"the checkpoint lacks tensors the model needs: {missing}")
+        writer.finish()
+        saved_dtypes = {target_dtype} if target_dtype is not None else set(written.values())
+        config.dtype = max(saved_dtypes, key=lambda d: torch.finfo(d).bits) if saved_dtypes else None
+        config.architectures = ["DCFormerForCausalLM"]
+        config.save_pretrained(tmp)
+        copied = copy_tokenizer_files(src_dir, tmp)
+        logger.info(f"copied tokenizer files: {copied}")
+    print(f"Converted {src} -> {dst_path} ({len(written)} tensors, {len(files)} source file(s))")
+    return dst_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src", help="released checkpoint: local directory or Hub id (e.g. Caiyun-AI/DCPythia-6.9B)")
+    parser.add_argument("dst", help="output directory (must be empty or absent unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    parser.add_argument("--dtype", default=None, help="cast to float32/float16/bfloat16 (default: keep)")
+    parser.add_argument("--revision", default=None, help="Hub revision of SRC")
+    args = parser.parse_args(argv)
+    try:
+        convert(args.src, args.dst, args.overwrite, args.max_shard_size, args.dtype, args.revision)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

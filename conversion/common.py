@@ -1,0 +1,187 @@
+"""Pieces shared by the converters: finding a source checkpoint, reading it shard by shard, writing
+safetensors shards, and producing the output directory atomically (all or nothing)."""
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+)
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
+
+
+def resolve_source(src: str, revision: str | None = None) -> Path:
+    """A local checkpoint directory, or a Hub id downloaded (config, weights and tokenizer files only)."""
+    path = Path(src)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"source {src!r} is a file, not a checkpoint directory")
+    if src.startswith((".", "/")) or src.count("/") > 1:
+        raise FileNotFoundError(f"source directory {src!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        snapshot_download(
+            src, revision=revision, allow_patterns=["config.json", *WEIGHT_PATTERNS, *TOKENIZER_FILES]
+        )
+    )
+
+
+def read_config(src: Path) -> dict:
+    config_file = src / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {src}")
+    return json.loads(config_file.read_text())
+
+
+def weight_files(src: Path) -> list[Path]:
+    """The checkpoint's weight files in order: from an index if there is one, else the single file."""
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
+        index = src / index_name
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            missing = [name for name in names if not (src / name).is_file()]
+            if missing:
+                raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
+            return [src / name for name in names]
+        if (src / single).is_file():
+            return [src / single]
+    loose = sorted(src.glob("*.safetensors")) or sorted(src.glob("*.bin"))
+    if not loose:
+        raise FileNotFoundError(f"no weights (*.safetensors or *.bin) in {src}")
+    return loose
+
+
+def iter_shard(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of one weight file, read one at a time (safetensors) or memory-mapped (.bin)."""
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+    else:
+        state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        for key in list(state):
+            yield key, state.pop(key)
+        del state
+
+
+def parse_size(size: str | int) -> int:
+    """'5GB', '500MB', '2GiB' or a number of bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", size, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"cannot read the size {size!r}: use e.g. 5GB or 500MB")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    factor = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    return int(number * factor)
+
+
+class ShardWriter:
+    """Writes tensors into safetensors shards of at most `max_shard_size` bytes, holding one shard in memory,
+    then the index (`model.safetensors.index.json`) or a single `model.safetensors`."""
+
+    def __init__(self, directory: Path, max_shard_size: int):
+        self.directory = directory
+        self.max_shard_size = max_shard_size
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.buffer_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.buffer and self.buffer_bytes + size > self.max_shard_size:
+            self.flush()
+        self.buffer[key] = tensor.contiguous()
+        self.buffer_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        name = f"shard-{len(self.shards):05d}.tmp"
+        save_file(self.buffer, str(self.directory / name), metadata={"format": "pt"})
+        self.shards.append((name, list(self.buffer)))
+        self.buffer, self.buffer_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Names the shards in transformers' scheme and writes the index; returns the weight file names."""
+        self.flush()
+        if len(self.shards) == 1:
+            os.replace(self.directory / self.shards[0][0], self.directory / "model.safetensors")
+            return ["model.safetensors"]
+        weight_map, names = {}, []
+        for i, (tmp_name, keys) in enumerate(self.shards):
+            name = f"model-{i + 1:05d}-of-{len(self.shards):05d}.safetensors"
+            os.replace(self.directory / tmp_name, self.directory / name)
+            weight_map.update({key: name for key in keys})
+            names.append(name)
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def check_destination(dst: Path, overwrite: bool) -> None:
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"destination {dst} exists and is not a directory")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise FileExistsError(f"destination {dst} is not empty; pass --overwrite to replace its contents")
+
+
+@contextmanager
+def atomic_output_dir(dst: Path, overwrite: bool = False):
+    """Yields a temporary directory beside `dst`; on success it replaces `dst`, on failure it is removed,
+    so `dst` is either the complete result or untouched."""
+    dst = Path(dst)
+    check_destination(dst, overwrite)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    dtypes = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(dtypes)}")
+    return dtypes[name]
