@@ -64,6 +64,8 @@ class DCFormerConfig(PreTrainedConfig):
             `4 * num_attention_heads / num_head_groups` when not given.
         attention_chunk_size (`int`, defaults to 512): queries processed at a time by the attention, bounding its
             memory to (heads x chunk x visible keys).
+        attention_recompute (`bool`, defaults to `True`): in training, recompute each chunk's attention in the
+            backward pass instead of keeping its (heads x chunk x keys) intermediates.
     """
 
     model_type = "dcformer"
@@ -108,6 +110,7 @@ class DCFormerConfig(PreTrainedConfig):
     dynamic_rank: int = 2
     dynamic_hidden_size: int | None = None
     attention_chunk_size: int = 512
+    attention_recompute: bool = True
 
     def __post_init__(self, **kwargs):
         # Pythia's name for the rotary fraction is accepted on the way in.

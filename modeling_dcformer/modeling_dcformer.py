@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -194,6 +195,47 @@ def compose(
     return out
 
 
+def attend_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_terms: torch.Tensor | None,
+    key_terms: torch.Tensor | None,
+    allowed: torch.Tensor,
+    rank: int,
+    num_groups: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DCMHA for one chunk of queries against the keys it can see.
+
+    q: [B, N, c, Dh]; k, v: [B, N, s, Dh]; query_terms: [B, c, G, Cq, 2I+1, M] (pre-query, post-query slots)
+    or None; key_terms: [B, s, G, Ck, 2I+1, M] (pre-key, post-key) or None; allowed: bool, broadcastable to
+    [B, N, c, s]. Returns the output [B, c, N, Dh] and the composed probabilities [B, N, c, s] (fp32).
+    """
+    B, N, c, Dh = q.shape
+    s = k.shape[2]
+    G, M = num_groups, N // num_groups
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * Dh**-0.5  # [B, N, c, s]
+    if query_terms is not None:
+        scores = compose(
+            scores.view(B, G, M, c, s),
+            query_terms[:, :, :, 0],
+            key_terms[:, :, :, 0] if key_terms is not None else None,
+            rank,
+        ).view(B, N, c, s)
+    scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1)
+    if query_terms is not None:
+        probs = compose(
+            probs.view(B, G, M, c, s),
+            query_terms[:, :, :, 1],
+            key_terms[:, :, :, 1] if key_terms is not None else None,
+            rank,
+        ).view(B, N, c, s)
+        probs = probs.masked_fill(~allowed, 0.0)  # rows with no visible key (padding) stay finite
+    out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+    return out, probs
+
+
 def dcmha_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -208,6 +250,7 @@ def dcmha_attention(
     num_groups: int,
     chunk_size: int,
     output_attentions: bool = False,
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal (optionally windowed) DCMHA over query chunks.
 
@@ -218,20 +261,20 @@ def dcmha_attention(
     key_padding_mask: [B, S] bool, True where the key is a real token, or None.
     A query t sees a key s when key_index[s] <= query_index[t] (and > query_index[t] - window_size on a
     local layer) and the key is not padding. Each chunk of queries only touches the keys it can see, so a
-    chunk's largest tensors are [B, N, chunk, visible keys].
+    chunk's largest tensors are [B, N, chunk, visible keys]: O(T * window) on a local layer. With
+    `recompute`, a chunk's intermediates are not kept for the backward pass but recomputed there, so
+    training memory holds one chunk's [B, N, chunk, keys] tensors at a time.
     Returns the attention output [B, T, N, Dh] and, if asked, the composed probabilities [B, N, T, S].
     """
     B, N, T, Dh = query.shape
     S = key.shape[2]
-    G, M = num_groups, N // num_groups
-    scaling = Dh**-0.5
-    out = query.new_empty(B, T, N, Dh)
+    outputs = []
     probs_all = query.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
     k0 = int(key_index[0]) if S > 0 else 0
     for t0 in range(0, T, chunk_size):
         t1 = min(T, t0 + chunk_size)
         q_idx = query_index[t0:t1]
-        last, first = int(q_idx[-1]), int(q_idx[0])
+        first, last = int(q_idx[0]), int(q_idx[-1])
         s1 = min(S, last - k0 + 1)
         s0 = max(0, first - window_size + 1 - k0) if window_size is not None else 0
         k_idx = key_index[s0:s1]
@@ -241,27 +284,24 @@ def dcmha_attention(
         allowed = allowed[None, None]  # [1, 1, c, s]
         if key_padding_mask is not None:
             allowed = allowed & key_padding_mask[:, None, None, s0:s1]
-        q = query[:, :, t0:t1]
-        k, v = key[:, :, s0:s1], value[:, :, s0:s1]
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling  # [B, N, c, s]
-        c, s = scores.shape[-2:]
-        if query_terms is not None:
-            qt = query_terms[:, t0:t1]
-            kt = key_terms[:, s0:s1] if key_terms is not None else None
-            scores = compose(
-                scores.view(B, G, M, c, s), qt[:, :, :, 0], kt[:, :, :, 0] if kt is not None else None, rank
-            ).view(B, N, c, s)
-        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1)
-        if query_terms is not None:
-            probs = compose(
-                probs.view(B, G, M, c, s), qt[:, :, :, 1], kt[:, :, :, 1] if kt is not None else None, rank
-            ).view(B, N, c, s)
-            probs = probs.masked_fill(~allowed, 0.0)  # rows with no visible key (padding) stay finite
+        args = (
+            query[:, :, t0:t1],
+            key[:, :, s0:s1],
+            value[:, :, s0:s1],
+            None if query_terms is None else query_terms[:, t0:t1],
+            None if key_terms is None else key_terms[:, s0:s1],
+            allowed,
+            rank,
+            num_groups,
+        )
+        if recompute and not output_attentions:
+            out, probs = torch.utils.checkpoint.checkpoint(attend_chunk, *args, use_reentrant=False)
+        else:
+            out, probs = attend_chunk(*args)
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = probs
-        out[:, t0:t1] = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
-    return out, probs_all
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), probs_all
 
 
 class DCFormerAttention(nn.Module):
@@ -329,6 +369,7 @@ class DCFormerAttention(nn.Module):
             num_groups=self.config.num_head_groups,
             chunk_size=self.config.attention_chunk_size,
             output_attentions=output_attentions,
+            recompute=self.config.attention_recompute and self.training and torch.is_grad_enabled(),
         )
         return self.o_proj(out.reshape(B, T, D)), probs
 

@@ -1,0 +1,490 @@
+"""The model against the independent reference in `tests/oracle.py` (written from shared/DCMHA.md only).
+
+Every comparison is fp32 model vs float64 oracle at atol 1e-5. Parameters are re-drawn at scales where every
+composition term changes the result by O(1) (the default init of dyn_w_proj is tiny, which would make a missing
+term invisible); `test_each_composition_term_matters` and the margin checks prove that these tests can fail.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import modeling_dcformer  # noqa: F401  (registers the auto classes)
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+
+from oracle import (
+    gelu_exact,
+    linear,
+    oracle_causal_lm,
+    oracle_compose,
+    oracle_dcmha_layer,
+    oracle_dynamic_weights,
+    oracle_local_layers,
+    oracle_rotary,
+    oracle_visible,
+)
+
+ATOL = 1e-5
+RTOL = 1e-5
+MARGIN = 0.05  # a variant of the computation must move the output by more than this to count as "detected"
+VOCAB, T_SEQ, BATCH, WINDOW = 64, 11, 2, 4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """The tensors here are tiny: intra-op threads only add synchronisation, which on a loaded 2-core machine
+    costs up to 50x. Restored after this module."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_config(**overrides) -> DCFormerConfig:
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        partial_rotary_factor=0.5,  # 4 rotary dims of 8: tells "rotate half" from interleaved pairs
+        rope_theta=1000.0,
+    )
+    kwargs.update(overrides)
+    return DCFormerConfig(**kwargs)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, qkw_scale: float = 0.5) -> None:
+    """Every parameter re-drawn so that each term of the computation is O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("dyn_w_proj.dw1"):  # [D, G, C, K]: pre-activations ~ N(0, 1)
+                p.copy_(r / math.sqrt(p.shape[0]))
+            elif name.endswith("dyn_w_proj.qkw"):  # [G, C, K, 2I, M]: w2 entries ~ 0.3
+                p.copy_(qkw_scale * r / math.sqrt(p.shape[2]))
+            elif name.endswith("dyn_w_proj.dd"):  # [D, G, C*M]: tanh arguments ~ N(0, 1)
+                p.copy_(r / math.sqrt(p.shape[0]))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * r)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * r)
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(r)
+            else:  # Linear [out, in]
+                p.copy_(r / math.sqrt(p.shape[1]))
+
+
+def build_model(config: DCFormerConfig, seed: int = 0) -> DCFormerForCausalLM:
+    torch.manual_seed(seed)
+    model = DCFormerForCausalLM(config).eval()
+    randomize_(model, seed)
+    return model
+
+
+def as_double(state: dict) -> dict:
+    return {k: v.detach().double() for k, v in state.items()}
+
+
+def zero_dyn(params: dict) -> dict:
+    return {k: torch.zeros_like(v) if "dyn_w_proj" in k else v for k, v in params.items()}
+
+
+def capture_attention_io(model: DCFormerForCausalLM, input_ids: torch.Tensor):
+    """Runs the model and returns, per layer, (attention input, attention output) as seen in the real forward."""
+    io = {}
+    handles = []
+    for idx, layer in enumerate(model.model.layers):
+
+        def hook(module, args, kwargs, output, idx=idx):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            io[idx] = (hidden.detach().clone(), output[0].detach().clone())
+
+        handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, io
+
+
+def call_attention(model, layer_idx: int, x: torch.Tensor):
+    """Calls one attention module directly on x [B, T, D] (token positions 0..T-1)."""
+    B, T, _ = x.shape
+    position_embeddings = model.model.rotary_emb(x, torch.arange(T).unsqueeze(0).expand(B, T))
+    out, _ = model.model.layers[layer_idx].self_attn(
+        x, position_embeddings=position_embeddings, query_index=torch.arange(T)
+    )
+    return out
+
+
+def assert_close(actual, expected, atol=ATOL, rtol=RTOL):
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
+
+
+def max_diff(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def layer_window(config, layer_idx):
+    local = oracle_local_layers(config.window_size, config.window_type, config.num_hidden_layers)
+    return config.window_size if local[layer_idx] else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the oracle itself against hand-computed values
+# ----------------------------------------------------------------------------------------------------------------
+def t(*values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_oracle_compose_hand_example():
+    # 2 heads in one group, rank 1, one query and one key. A = (2, 3).
+    A = t(2.0, 3.0).view(1, 2, 1, 1)
+    qw1, qw2, qdd = t(1.0, -1.0).view(1, 1, 1, 1, 2), t(0.5, 2.0).view(1, 1, 1, 1, 2), t(0.1, 0.2).view(1, 1, 1, 2)
+    kw1, kw2, kdd = t(0.0, 1.0).view(1, 1, 1, 1, 2), t(1.0, -1.0).view(1, 1, 1, 1, 2), t(0.3, -0.5).view(1, 1, 1, 2)
+    # query mix: 2*1 + 3*(-1) = -1 -> (-0.5, -2); key mix: 3 -> (3, -3); diagonal: (2*(0.1+0.3), 3*(0.2-0.5))
+    expected = t(2 - 0.5 + 3 + 0.8, 3 - 2 - 3 - 0.9).view(1, 2, 1, 1)
+    assert torch.allclose(oracle_compose(A, qw1, qw2, qdd, kw1, kw2, kdd), expected, atol=1e-12)
+    # query-wise: only the query terms, (2 - 0.5 + 0.2, 3 - 2 + 0.6)
+    expected_q = t(1.7, 1.6).view(1, 2, 1, 1)
+    assert torch.allclose(oracle_compose(A, qw1, qw2, qdd), expected_q, atol=1e-12)
+
+
+def test_oracle_compose_indexing_and_groups():
+    # 2 groups of 1 head, rank 1, one query, two keys: heads never mix across groups and the key terms follow s.
+    A = t(1.0, 2.0, 10.0, 20.0).view(1, 2, 1, 2)  # head 0: (1, 2), head 1: (10, 20) over s
+    qw1, qw2 = t(1.0, 1.0).view(1, 1, 2, 1, 1), t(0.5, -1.0).view(1, 1, 2, 1, 1)
+    qdd = t(0.0, 0.25).view(1, 1, 2, 1)
+    kw1 = t(1.0, 1.0, 2.0, 2.0).view(1, 2, 2, 1, 1)  # [s, g]
+    kw2 = t(1.0, 0.0, -1.0, 3.0).view(1, 2, 2, 1, 1)
+    kdd = t(0.5, 0.0, 0.0, -0.5).view(1, 2, 2, 1)
+    out = oracle_compose(A, qw1, qw2, qdd, kw1, kw2, kdd)
+    # out = A * (1 + qw1 qw2 + kw1[s] kw2[s] + qdd + kdd[s]) per head (M = 1)
+    expected = torch.stack(
+        [
+            t(1.0 * (1 + 0.5 + 1.0 + 0.0 + 0.5), 2.0 * (1 + 0.5 - 2.0 + 0.0 + 0.0)),
+            t(10.0 * (1 - 1.0 + 0.0 + 0.25 + 0.0), 20.0 * (1 - 1.0 + 6.0 + 0.25 - 0.5)),
+        ]
+    ).view(1, 2, 1, 2)
+    assert torch.allclose(out, expected, atol=1e-12)
+
+
+def test_oracle_dynamic_weights_hand_example():
+    # D = 1, G = 1, C = 2 slots, K = 1, I = 1, M = 2
+    x = t(1.5).view(1, 1, 1)
+    dw1 = t(2.0, -1.0).view(1, 1, 2, 1)
+    qkw = t(3.0, 4.0, 1.0, -1.0, 1.0, 0.0, 0.0, 2.0).view(1, 2, 1, 2, 2)  # slot, (w1 row, w2 row), M
+    dd_w = t(0.5, -1.0, 0.2, 0.0).view(1, 1, 4)
+    slots = oracle_dynamic_weights(x, dw1, qkw, dd_w, rank=1)
+    phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))  # noqa: E731
+    h0, h1 = 3.0 * phi(3.0), -1.5 * phi(-1.5)
+    w1_0 = [h0 * 3, h0 * 4]
+    w1_1 = [h1 * 1, h1 * 0]
+    rms = lambda v: math.sqrt(sum(e * e for e in v) / len(v) + 1e-6)  # noqa: E731
+    expected = [
+        ([e / rms(w1_0) for e in w1_0], [h0 * 1, -h0], [math.tanh(0.75), math.tanh(-1.5)]),
+        ([e / rms(w1_1) for e in w1_1], [0.0, 2 * h1], [math.tanh(0.3), 0.0]),
+    ]
+    assert len(slots) == 2
+    for (w1, w2, dd), (e1, e2, edd) in zip(slots, expected):
+        assert w1.shape == w2.shape == (1, 1, 1, 1, 2) and dd.shape == (1, 1, 1, 2)
+        assert torch.allclose(w1.flatten(), t(*e1), atol=1e-12)
+        assert torch.allclose(w2.flatten(), t(*e2), atol=1e-12)
+        assert torch.allclose(dd.flatten(), t(*edd), atol=1e-12)
+    assert torch.allclose(gelu_exact(t(3.0)), t(h0), atol=1e-12)
+
+
+def test_oracle_rotary_and_window_hand_examples():
+    # rot = 4 of Dh = 6: pairs (0, 2) at frequency 1 and (1, 3) at frequency base^-1/2; dims 4, 5 untouched.
+    base, pos = 100.0, 3
+    x = t(1.0, 2.0, 3.0, 4.0, 5.0, 6.0).view(1, 1, 1, 6)
+    out = oracle_rotary(x, torch.tensor([pos]), rot=4, base=base).flatten()
+    a0, a1 = pos * 1.0, pos * base**-0.5
+    expected = t(
+        1 * math.cos(a0) - 3 * math.sin(a0),
+        2 * math.cos(a1) - 4 * math.sin(a1),
+        3 * math.cos(a0) + 1 * math.sin(a0),
+        4 * math.cos(a1) + 2 * math.sin(a1),
+        5.0,
+        6.0,
+    )
+    assert torch.allclose(out, expected, atol=1e-12)
+    visible = oracle_visible(5, window=2).int().tolist()
+    assert visible == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    assert oracle_visible(3, None).int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+@pytest.mark.parametrize("window_type", [None, "LG", "LGLL", "LGL6"])
+def test_layer_types_follow_the_spec(window_type):
+    expected = {None: "LGLGLGLGLG", "LG": "LGLGLGLGLG", "LGLL": "LGLLLGLLLG", "LGL6": "LGLLLLLLLG"}[window_type]
+    local = oracle_local_layers(WINDOW, window_type, 10)
+    assert "".join("L" if f else "G" for f in local) == expected
+    config = make_config(num_hidden_layers=10, window_size=WINDOW, window_type=window_type)
+    assert config.layer_types == ["sliding_attention" if f else "full_attention" for f in local]
+    assert make_config(window_size=None, window_type=window_type).layer_types == ["full_attention"] * 4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one attention layer, every option combination
+# ----------------------------------------------------------------------------------------------------------------
+WINDOW_MODES = {"global": (None, None), "window-default": (WINDOW, None), "LG": (WINDOW, "LG"), "LGLL": (WINDOW, "LGLL")}
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 512])
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("query_wise", [False, True])
+@pytest.mark.parametrize("window_mode", list(WINDOW_MODES))
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups, rank, chunk):
+    window_size, window_type = WINDOW_MODES[window_mode]
+    config = make_config(
+        use_qk_norm=qk_norm,
+        window_size=window_size,
+        window_type=window_type,
+        query_wise=query_wise,
+        num_head_groups=groups,
+        dynamic_rank=rank,
+        attention_chunk_size=chunk,
+    )
+    model = build_model(config)
+    input_ids = torch.randint(0, VOCAB, (BATCH, T_SEQ), generator=torch.Generator().manual_seed(1))
+    _, io = capture_attention_io(model, input_ids)
+    assert sorted(io) == list(range(config.num_hidden_layers))
+    for idx, (x, out) in io.items():
+        window = layer_window(config, idx)
+        params = as_double(model.model.layers[idx].self_attn.state_dict())
+        ref = oracle_dcmha_layer(x.double(), params, config, window)
+        assert_close(out, ref)
+        # the test can fail: the composition and (on local layers) the window each move the output clearly
+        assert max_diff(ref, oracle_dcmha_layer(x.double(), zero_dyn(params), config, window)) > MARGIN
+        if window is not None:
+            assert max_diff(ref, oracle_dcmha_layer(x.double(), params, config, None)) > MARGIN
+            assert max_diff(ref, oracle_dcmha_layer(x.double(), params, config, window + 1)) > MARGIN
+            assert max_diff(ref, oracle_dcmha_layer(x.double(), params, config, window - 1)) > MARGIN
+
+
+def test_attention_probabilities_match_oracle():
+    """output_attentions returns the post-composed probabilities (masked entries zero)."""
+    config = make_config(use_qk_norm=True, window_size=WINDOW, num_head_groups=2, attention_chunk_size=3)
+    model = build_model(config)
+    x = torch.randn(BATCH, T_SEQ, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    for idx in (0, 1):  # local, global
+        B, T, _ = x.shape
+        pe = model.model.rotary_emb(x, torch.arange(T).unsqueeze(0).expand(B, T))
+        with torch.no_grad():
+            out, probs = model.model.layers[idx].self_attn(
+                x, position_embeddings=pe, query_index=torch.arange(T), output_attentions=True
+            )
+        params = as_double(model.model.layers[idx].self_attn.state_dict())
+        ref_out, ref_probs = oracle_dcmha_layer(x.double(), params, config, layer_window(config, idx), return_probs=True)
+        assert_close(out, ref_out)
+        assert_close(probs, ref_probs)
+
+
+def _ablate(params: dict, slot: int, kind: str, rank: int, M: int) -> dict:
+    p = dict(params)
+    if kind.startswith("lowrank"):  # w2 of the slot (optionally of one rank index) to zero
+        qkw = p["dyn_w_proj.qkw"].clone()
+        rows = slice(rank, 2 * rank) if kind == "lowrank" else slice(rank + int(kind[-1]), rank + int(kind[-1]) + 1)
+        qkw[:, slot, :, rows, :] = 0
+        p["dyn_w_proj.qkw"] = qkw
+    elif kind == "diag":
+        dd = p["dyn_w_proj.dd"].clone()
+        dd[:, :, slot * M : (slot + 1) * M] = 0
+        p["dyn_w_proj.dd"] = dd
+    return p
+
+
+@pytest.mark.parametrize("query_wise", [False, True])
+def test_each_composition_term_matters(query_wise):
+    """At the test scale, removing any single term (per slot: low-rank, each rank index, diagonal), swapping
+    the pre and post slots, or skipping the w1 normalisation moves the oracle's output clearly; since the model
+    matches the full oracle at 1e-5, a model missing any of them would fail `test_attention_layer_matches_oracle`."""
+    config = make_config(use_qk_norm=True, num_head_groups=2, dynamic_rank=2, query_wise=query_wise)
+    model = build_model(config)
+    x = torch.randn(BATCH, T_SEQ, config.hidden_size, generator=torch.Generator().manual_seed(3)).double()
+    params = as_double(model.model.layers[0].self_attn.state_dict())
+    ref = oracle_dcmha_layer(x, params, config)
+    C, M, I = config.num_composition_slots, config.heads_per_group, config.dynamic_rank
+    for slot, kind in itertools.product(range(C), ["lowrank", "lowrank0", "lowrank1", "diag"]):
+        variant = oracle_dcmha_layer(x, _ablate(params, slot, kind, I, M), config)
+        assert max_diff(ref, variant) > MARGIN, (slot, kind)
+    # pre <-> post slots swapped
+    half = C // 2
+    order = list(range(half, C)) + list(range(half))
+    swapped = dict(params)
+    swapped["dyn_w_proj.dw1"] = params["dyn_w_proj.dw1"][:, :, order]
+    swapped["dyn_w_proj.qkw"] = params["dyn_w_proj.qkw"][:, order]
+    dd = params["dyn_w_proj.dd"].view(config.hidden_size, config.num_head_groups, C, M)
+    swapped["dyn_w_proj.dd"] = dd[:, :, order].reshape(config.hidden_size, config.num_head_groups, C * M)
+    assert max_diff(ref, oracle_dcmha_layer(x, swapped, config)) > MARGIN
+    # w1 RMS normalisation: scaling the w1 rows of qkw changes almost nothing (only through the 1e-6 eps),
+    # scaling the w2 rows changes the output clearly
+    for rows, small in ((slice(0, I), True), (slice(I, 2 * I), False)):
+        scaled = dict(params)
+        qkw = params["dyn_w_proj.qkw"].clone()
+        qkw[:, :, :, rows] *= 3.0
+        scaled["dyn_w_proj.qkw"] = qkw
+        scaled_ref = oracle_dcmha_layer(x, scaled, config)
+        diff = max_diff(ref, scaled_ref)
+        assert diff < 5e-3 if small else diff > MARGIN
+        with torch.no_grad():
+            model.model.layers[0].self_attn.dyn_w_proj.qkw.copy_(qkw)
+            assert_close(call_attention(model, 0, x.float()), scaled_ref)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# zero composition weights = plain multi-head attention
+# ----------------------------------------------------------------------------------------------------------------
+def plain_attention_sdpa(x, params, config, window):
+    """Plain causal (windowed) MHA through torch's SDPA: independent of both the model and the oracle's compose."""
+    B, T, D = x.shape
+    N, Dh = config.num_attention_heads, D // config.num_attention_heads
+    qkv = linear(x, params["qkv_proj.weight"], params.get("qkv_proj.bias")).view(B, T, 3, N, Dh)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    if config.use_qk_norm:
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + config.qk_norm_eps) * params["q_norm.weight"]
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + config.qk_norm_eps) * params["k_norm.weight"]
+    rot = int(Dh * config.rope_parameters["partial_rotary_factor"])
+    pos = torch.arange(T)
+    q = oracle_rotary(q, pos, rot, config.rope_parameters["rope_theta"])
+    k = oracle_rotary(k, pos, rot, config.rope_parameters["rope_theta"])
+    ones = torch.ones(T, T, dtype=torch.bool)
+    mask = torch.tril(ones)
+    if window is not None:
+        mask = mask & ~torch.tril(ones, diagonal=-window)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return linear(o.transpose(1, 2).reshape(B, T, D), params["o_proj.weight"], params.get("o_proj.bias"))
+
+
+@pytest.mark.parametrize("init", ["all_zero", "w2_and_dd_zero"])
+@pytest.mark.parametrize("query_wise", [False, True])
+def test_zero_composition_is_plain_attention(init, query_wise):
+    options = dict(use_qk_norm=True, window_size=WINDOW, window_type="LGLL", query_wise=query_wise)
+    config = make_config(**options)
+    model = build_model(config)
+    I = config.dynamic_rank
+    with torch.no_grad():
+        for layer in model.model.layers:
+            dyn = layer.self_attn.dyn_w_proj
+            dyn.dd.zero_()
+            if init == "all_zero":
+                dyn.dw1.zero_()
+                dyn.qkw.zero_()
+            else:  # the exact-and-trainable init of the spec: w1 factors live, w2 factors zero
+                dyn.qkw[:, :, :, I:].zero_()
+    input_ids = torch.randint(0, VOCAB, (BATCH, T_SEQ), generator=torch.Generator().manual_seed(4))
+    logits, io = capture_attention_io(model, input_ids)
+    for idx, (x, out) in io.items():
+        params = as_double(model.model.layers[idx].self_attn.state_dict())
+        plain = plain_attention_sdpa(x.double(), params, config, layer_window(config, idx))
+        assert_close(out, plain)
+    # the same weights in a use_dcmha=False model give the same logits
+    plain_model = DCFormerForCausalLM(make_config(**options, use_dcmha=False)).eval()
+    missing, unexpected = plain_model.load_state_dict(model.state_dict(), strict=False)
+    assert missing == [] and all("dyn_w_proj" in k for k in unexpected) and unexpected
+    with torch.no_grad():
+        plain_logits = plain_model(input_ids, use_cache=False).logits
+    assert_close(logits, plain_logits)
+    ref = oracle_causal_lm(as_double(plain_model.state_dict()), plain_model.config, input_ids)
+    assert_close(plain_logits, ref)
+    # ... and live composition weights would have changed them
+    randomize_(model, seed=5)
+    with torch.no_grad():
+        assert max_diff(model(input_ids, use_cache=False).logits, logits) > MARGIN
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# whole model
+# ----------------------------------------------------------------------------------------------------------------
+BODIES = {
+    # DCPythia-like: the config defaults (layernorm, parallel residual, gelu MLP with biases, rotary 0.25)
+    "dcpythia": dict(use_qk_norm=True, window_size=WINDOW, window_type=None, partial_rotary_factor=0.25),
+    "dcpythia-rot50-LGLL-qw": dict(
+        use_qk_norm=True, window_size=WINDOW, window_type="LGLL", query_wise=True, num_head_groups=3, dynamic_rank=1
+    ),
+    "dcformer++": dict(
+        norm_type="rmsnorm",
+        layer_norm_eps=1e-6,
+        use_parallel_residual=False,
+        use_gated_mlp=True,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        partial_rotary_factor=1.0,
+        rope_theta=10000.0,
+        use_qk_norm=True,
+        window_size=WINDOW,
+        window_type="LG",
+        attention_chunk_size=5,
+    ),
+}
+
+
+@pytest.mark.parametrize("body", list(BODIES))
+def test_causal_lm_logits_match_oracle(body):
+    config = make_config(hidden_size=48, num_attention_heads=6, num_hidden_layers=3, **BODIES[body])
+    model = build_model(config)
+    input_ids = torch.randint(0, VOCAB, (BATCH, 13), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logits = model(input_ids, use_cache=False).logits
+    state = as_double(model.state_dict())
+    ref = oracle_causal_lm(state, config, input_ids)
+    assert_close(logits, ref)
+    assert max_diff(ref, oracle_causal_lm(zero_dyn(state), config, input_ids)) > MARGIN
+    assert max_diff(ref, oracle_causal_lm(state, config, input_ids, local_layers=[False] * 3)) > MARGIN
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------------------
+GRAD_PARAMS = ["dyn_w_proj.dw1", "dyn_w_proj.qkw", "dyn_w_proj.dd", "qkv_proj.weight", "q_norm.weight"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(query_wise=False, num_head_groups=1, dynamic_rank=2, attention_chunk_size=3, layer=0),  # local
+        dict(query_wise=False, num_head_groups=2, dynamic_rank=1, attention_chunk_size=512, layer=1),  # global
+        dict(query_wise=True, num_head_groups=2, dynamic_rank=2, attention_chunk_size=1, layer=0),
+    ],
+    ids=["local-chunk3", "global-groups2", "querywise-chunk1"],
+)
+def test_backward_matches_oracle(options):
+    options = dict(options)
+    layer = options.pop("layer")
+    config = make_config(use_qk_norm=True, window_size=WINDOW, **options)
+    model = build_model(config)
+    attn = model.model.layers[layer].self_attn
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCH, T_SEQ, config.hidden_size, generator=gen)
+    weights = torch.randn(BATCH, T_SEQ, config.hidden_size, generator=gen)
+
+    model.zero_grad()
+    x_model = x.clone().requires_grad_(True)
+    loss = (call_attention(model, layer, x_model) * weights).mean()
+    loss.backward()
+    named = dict(attn.named_parameters())
+
+    params = {k: v.detach().double().requires_grad_(True) for k, v in attn.state_dict().items()}
+    x_ref = x.double().requires_grad_(True)
+    ref_loss = (oracle_dcmha_layer(x_ref, params, config, layer_window(config, layer)) * weights.double()).mean()
+    ref_loss.backward()
+
+    assert_close(loss.detach(), ref_loss.detach())
+    for name in GRAD_PARAMS:
+        assert named[name].grad is not None, name
+        assert params[name].grad.abs().max() > 1e-3, name  # a gradient that can tell right from wrong
+        assert_close(named[name].grad, params[name].grad)
+    assert_close(x_model.grad, x_ref.grad)
