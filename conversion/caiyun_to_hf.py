@@ -24,6 +24,7 @@ from conversion.common import (
     ShardWriter,
     atomic_output_dir,
     copy_tokenizer_files,
+    expected_shapes,
     iter_shard,
     parse_dtype,
     parse_size,
@@ -31,21 +32,11 @@ from conversion.common import (
     resolve_source,
     weight_files,
 )
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer import DCFormerConfig
 from modeling_dcformer.released_format import SPLIT_QKV, is_released_config, native_key
 
 logger = logging.get_logger("dcformer.caiyun_to_hf")
 IDENTITY_BUFFERS = re.compile(r"dyn_w_proj\.(pre_proj|post_proj)\.w$")
-
-
-def expected_shapes(config: DCFormerConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor our model needs, with its shape (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        model = DCFormerForCausalLM(config)
-    shapes = {key: tuple(t.shape) for key, t in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    return shapes
 
 
 def check_identity_buffer(key: str, tensor: torch.Tensor) -> None:

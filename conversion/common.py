@@ -36,13 +36,13 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
         raise ValueError(f"source {src!r} is a file, not a checkpoint directory")
     if src.startswith((".", "/")) or src.count("/") > 1:
         raise FileNotFoundError(f"source directory {src!r} does not exist")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import HfApi, snapshot_download
 
-    return Path(
-        snapshot_download(
-            src, revision=revision, allow_patterns=["config.json", *WEIGHT_PATTERNS, *TOKENIZER_FILES]
-        )
-    )
+    # Many repositories carry the same weights twice (.bin and .safetensors): fetch one format only.
+    files = HfApi().list_repo_files(src, revision=revision)
+    has_safetensors = any(name.endswith(".safetensors") for name in files)
+    weights = [p for p in WEIGHT_PATTERNS if ("safetensors" in p) == has_safetensors]
+    return Path(snapshot_download(src, revision=revision, allow_patterns=["config.json", *weights, *TOKENIZER_FILES]))
 
 
 def read_config(src: Path) -> dict:
@@ -175,6 +175,19 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
             shutil.copy2(src / name, dst / name)
             copied.append(name)
     return copied
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor a `DCFormerForCausalLM` of this config needs, with its shape (built on the meta device:
+    no memory). A tied output head is not a tensor of its own."""
+    from modeling_dcformer import DCFormerForCausalLM
+
+    with torch.device("meta"):
+        model = DCFormerForCausalLM(config)
+    shapes = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:

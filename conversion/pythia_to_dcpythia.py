@@ -1,0 +1,558 @@
+"""Turn a GPT-NeoX checkpoint (any Pythia size or revision, or any other GPT-NeoX model) into a DCPythia one:
+the same body with DCMHA attention whose dynamic composition weights are initialised so that the converted
+model computes exactly the source's function, yet every new parameter gets a gradient on the first backward.
+
+    python conversion/pythia_to_dcpythia.py EleutherAI/pythia-410m ./dcpythia-410m
+    python conversion/pythia_to_dcpythia.py EleutherAI/pythia-1b ./dcpythia-1b --revision step100000
+    python conversion/pythia_to_dcpythia.py ./my-neox ./my-dcneox --dtype bfloat16 --no-verify
+
+The fused `query_key_value` weight (per head [q_h; k_h; v_h]) is regrouped into our [all q; all k; all v];
+the vocabulary (padded rows included), rotary fraction and base, norms, residual layout, biases and maximum
+positions are kept. qk-norm is off and every layer is global unless --qk-norm / --window-size ask for the
+released architecture instead, which changes the function (a warning says so and reports by how much).
+
+It streams: one source tensor and one output shard are in memory at a time, so Pythia-12B converts on a
+24 GB machine. `--verify` (default: on up to 1.1B parameters, i.e. Pythia-1B and smaller) loads both models
+in fp32, runs a few sentences and fails when the logits differ by more than --tolerance (1e-4). The
+destination appears only once complete and verified (written beside it, then renamed).
+"""
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from tqdm.auto import tqdm
+from transformers.activations import ACT2FN
+from transformers.utils import logging
+
+from conversion.common import (
+    ShardWriter,
+    atomic_output_dir,
+    copy_tokenizer_files,
+    expected_shapes,
+    iter_shard,
+    parse_dtype,
+    parse_size,
+    read_config,
+    resolve_source,
+    weight_files,
+)
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.modeling_dcformer import DynamicWeightProjection
+
+logger = logging.get_logger("dcformer.pythia_to_dcpythia")
+
+DEFAULT_INIT_SCALE = 0.02
+DEFAULT_TOLERANCE = 1e-4
+VERIFY_DEFAULT_MAX_PARAMS = 1_100_000_000  # Pythia-1B has 1.01B parameters; Pythia-1.4B is the first one left out
+VERIFY_SENTENCES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "In 1969, Neil Armstrong became the first person to walk on the Moon.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "Attention is all you need, but composing the heads dynamically may help a little more.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+)
+
+# GPT-NeoX key (with or without the `gpt_neox.` prefix) -> ours.
+TOP_LEVEL = {
+    "embed_in.weight": "model.embed_tokens.weight",
+    "final_layer_norm.weight": "model.norm.weight",
+    "final_layer_norm.bias": "model.norm.bias",
+}
+PER_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "input_layernorm.bias": "input_layernorm.bias",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "post_attention_layernorm.bias": "post_attention_layernorm.bias",
+    "attention.query_key_value.weight": "self_attn.qkv_proj.weight",
+    "attention.query_key_value.bias": "self_attn.qkv_proj.bias",
+    "attention.dense.weight": "self_attn.o_proj.weight",
+    "attention.dense.bias": "self_attn.o_proj.bias",
+    "mlp.dense_h_to_4h.weight": "mlp.up_proj.weight",
+    "mlp.dense_h_to_4h.bias": "mlp.up_proj.bias",
+    "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
+    "mlp.dense_4h_to_h.bias": "mlp.down_proj.bias",
+}
+OUTPUT_HEAD = ("embed_out.weight", "lm_head.weight")  # the head's name in old / transformers-5 checkpoints
+LAYER_KEY = re.compile(r"^(?:gpt_neox\.)?layers\.(\d+)\.(.+)$")
+# Buffers of old checkpoints (causal mask, its fill value, rotary frequencies): recomputed, never needed.
+IGNORED = re.compile(r"(^|\.)(attention\.bias|attention\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+class VerificationError(ValueError):
+    """The converted model's logits differ from the source's by more than the tolerance."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The exact-and-trainable initialisation of the dynamic composition weights
+# ----------------------------------------------------------------------------------------------------------------
+def _dynamic_projections(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every DCMHA dynamic-weight projection in `module` (itself included), recognised by its dw1/qkw/dd
+    parameters so that a copy loaded as Hub remote code is found too."""
+    found = []
+    for m in module.modules():
+        params = [getattr(m, name, None) for name in ("dw1", "qkw", "dd")]
+        if all(isinstance(p, torch.Tensor) for p in params) and [p.dim() for p in params] == [4, 5, 3]:
+            found.append(m)
+    return found
+
+
+@torch.no_grad()
+def init_dynamic_weights_exact(
+    model_or_module: torch.nn.Module,
+    scale: float = DEFAULT_INIT_SCALE,
+    generator: torch.Generator | None = None,
+) -> torch.nn.Module:
+    """Initialise every DCMHA dynamic-weight projection (dw1 [D, G, C, K], qkw [G, C, K, 2I, M], dd [D, G, C*M])
+    so that the composition is exactly the identity (the model computes plain multi-head attention) while
+    dw1, qkw and dd all receive a non-zero gradient on the first backward pass.
+
+    The K hidden units of each (group, slot) are split into an active half Ka and a dormant half Kb:
+      - dw1[..., Ka] ~ N(0, scale^2), dw1[..., Kb] = 0, so h_b = gelu(0) = 0 exactly while h_a != 0;
+      - qkw's w1 rows (first I): N(0, scale^2) on Ka, 0 on Kb, so w1 = h_a qkw_w1[Ka] != 0 and its RMS
+        normalisation is well conditioned;
+      - qkw's w2 rows (last I): 0 on Ka, N(0, scale^2) on Kb, so w2 = h_a 0 + 0 qkw_w2[Kb] = 0 exactly:
+        every low-rank term sum_i (A w1_i) w2_i vanishes;
+      - dd = 0, so the diagonal terms tanh(x dd) = 0 vanish.
+    Gradients at that point: dL/dw2 is proportional to A w1 != 0, hence dL/dqkw_w2[Ka] = h_a^T dL/dw2 != 0
+    (qkw), dL/dh_b = dL/dw2 qkw_w2[Kb]^T != 0 and gelu'(0) = 1/2, hence dL/ddw1[..., Kb] = x^T dL/dh_b / 2 != 0
+    (dw1), and dL/ddd = x^T (A * dL/dout) != 0 (dd). All zeros instead would be a saddle: w1 = w2 = 0 give
+    each other zero gradient and h = 0 passes none back to dw1.
+
+    Works on a whole model or on one projection; random draws are fp32 from `generator` (CPU) and cast to each
+    parameter's dtype and device (zeros stay exact zeros in any dtype). Returns `model_or_module`.
+    """
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"the init scale must be a positive number, got {scale!r}")
+    projections = _dynamic_projections(model_or_module)
+    if not projections:
+        raise ValueError(
+            f"{type(model_or_module).__name__} has no DCMHA dynamic-weight projection (dw1, qkw, dd parameters)"
+        )
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, dtype=torch.float32) * scale
+
+    for proj in projections:
+        D, G, C, K = proj.dw1.shape
+        two_i, M = proj.qkw.shape[-2:]
+        I = two_i // 2
+        if tuple(proj.qkw.shape) != (G, C, K, 2 * I, M) or two_i != 2 * I or proj.dd.shape[:2] != (D, G):
+            raise ValueError(
+                f"inconsistent dynamic-weight shapes dw1 {tuple(proj.dw1.shape)}, qkw {tuple(proj.qkw.shape)}, "
+                f"dd {tuple(proj.dd.shape)}"
+            )
+        if K < 2:
+            raise ValueError(
+                f"the dynamic-weight MLP has K={K} hidden unit(s); an exact and trainable init needs K >= 2 "
+                "(an active and a dormant half)"
+            )
+        active = K // 2
+        dw1 = torch.zeros(D, G, C, K)
+        dw1[..., :active] = normal(D, G, C, active)
+        qkw = torch.zeros(G, C, K, 2 * I, M)
+        qkw[:, :, :active, :I] = normal(G, C, active, I, M)  # w1 rows: active units only
+        qkw[:, :, active:, I:] = normal(G, C, K - active, I, M)  # w2 rows: dormant units only
+        proj.dw1.copy_(dw1)
+        proj.qkw.copy_(qkw)
+        proj.dd.zero_()
+    return model_or_module
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config and key mapping
+# ----------------------------------------------------------------------------------------------------------------
+def read_gpt_neox_config(raw: dict, src: str):
+    """The source's GPTNeoXConfig (old names rotary_pct / rotary_emb_base / torch_dtype understood), or a clear
+    ValueError for anything that is not a GPT-NeoX checkpoint."""
+    from transformers import GPTNeoXConfig
+
+    model_type = raw.get("model_type")
+    if model_type != "gpt_neox":
+        raise ValueError(
+            f"{src} is not a GPT-NeoX checkpoint: its config.json has model_type {model_type!r} (expected "
+            "'gpt_neox', as in EleutherAI/pythia-*)"
+        )
+    try:
+        return GPTNeoXConfig.from_dict(raw)
+    except Exception as err:  # strict validation of the dataclass fields
+        raise ValueError(f"{src}: cannot read its GPT-NeoX config.json: {err}") from err
+
+
+def dcpythia_config(
+    source,
+    qk_norm: bool = False,
+    window_size: int | None = None,
+    window_type: str | None = None,
+    **provenance,
+) -> DCFormerConfig:
+    """Our config for a GPT-NeoX one: same body (LayerNorm, GELU-family MLP with biases, residual layout, rotary
+    fraction and base, vocabulary, positions), DCMHA on, qk-norm off and every layer global by default."""
+    if source.hidden_act not in ACT2FN:
+        raise ValueError(f"hidden_act {source.hidden_act!r} of the source is not an activation transformers knows")
+    if window_type is not None and window_size is None:
+        raise ValueError("--window-type needs --window-size (without a window every layer is global)")
+    for name in ("attention_dropout", "hidden_dropout"):
+        if getattr(source, name, 0):
+            logger.warning(f"the source's {name}={getattr(source, name)} is dropped: DCFormer has no dropout")
+    try:
+        return DCFormerConfig(
+            vocab_size=source.vocab_size,
+            hidden_size=source.hidden_size,
+            num_hidden_layers=source.num_hidden_layers,
+            num_attention_heads=source.num_attention_heads,
+            intermediate_size=source.intermediate_size,
+            hidden_act=source.hidden_act,
+            use_gated_mlp=False,
+            norm_type="layernorm",
+            layer_norm_eps=source.layer_norm_eps,
+            use_parallel_residual=source.use_parallel_residual,
+            attention_bias=source.attention_bias,
+            mlp_bias=True,  # GPT-NeoX's MLP always has biases
+            max_position_embeddings=source.max_position_embeddings,
+            rope_parameters=dict(source.rope_parameters),
+            initializer_range=source.initializer_range,
+            use_cache=source.use_cache,
+            bos_token_id=source.bos_token_id,
+            eos_token_id=source.eos_token_id,
+            pad_token_id=source.pad_token_id,
+            tie_word_embeddings=source.tie_word_embeddings,
+            use_dcmha=True,
+            use_qk_norm=qk_norm,
+            window_size=window_size,
+            window_type=window_type,
+            **provenance,
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"cannot express this GPT-NeoX model as a DCPythia one: {err}") from err
+
+
+def target_key(source_key: str) -> tuple[str | None, bool]:
+    """(our key or None for an ignored buffer, whether the tensor is a fused q/k/v to regroup)."""
+    if IGNORED.search(source_key):
+        return None, False
+    if source_key in OUTPUT_HEAD:
+        return "lm_head.weight", False
+    bare = source_key.removeprefix("gpt_neox.")
+    if bare in TOP_LEVEL:
+        return TOP_LEVEL[bare], False
+    match = LAYER_KEY.match(source_key)
+    if match and match.group(2) in PER_LAYER:
+        layer, rest = match.groups()
+        return f"model.layers.{layer}.{PER_LAYER[rest]}", rest.startswith("attention.query_key_value.")
+    raise ValueError(f"{source_key!r} is not a tensor of a GPT-NeoX causal LM")
+
+
+def regroup_qkv(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """GPT-NeoX's fused rows are per head [q_h; k_h; v_h] (shape [N, 3, Dh, ...]); ours are all queries, then all
+    keys, then all values ([3, N, Dh, ...]). Works on the weight [3D, D] and on the bias [3D]."""
+    rows, rest = tensor.shape[0], tensor.shape[1:]
+    if rows % (3 * num_heads):
+        raise ValueError(f"query_key_value has {rows} rows, not a multiple of 3 x {num_heads} heads")
+    head_dim = rows // (3 * num_heads)
+    return tensor.reshape(num_heads, 3, head_dim, *rest).transpose(0, 1).reshape(rows, *rest).contiguous()
+
+
+def new_layer_tensors(
+    config: DCFormerConfig, layer: int, dtype: torch.dtype, scale: float, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """The tensors a GPT-NeoX layer lacks: the dynamic-weight projection (exact init) and, with qk-norm, the
+    q/k norm scales (ones)."""
+    proj = DynamicWeightProjection(config)
+    init_dynamic_weights_exact(proj, scale, generator)
+    prefix = f"model.layers.{layer}.self_attn"
+    tensors = {f"{prefix}.dyn_w_proj.{name}": p.detach().to(dtype) for name, p in proj.named_parameters()}
+    if config.use_qk_norm:
+        tensors[f"{prefix}.q_norm.weight"] = torch.ones(config.head_dim, dtype=dtype)
+        tensors[f"{prefix}.k_norm.weight"] = torch.ones(config.head_dim, dtype=dtype)
+    return tensors
+
+
+def snapshot_revision(src_dir: Path) -> str | None:
+    """The commit of a Hub snapshot directory (`.../snapshots/<sha>`), None for any other directory."""
+    if src_dir.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", src_dir.name):
+        return src_dir.name
+    return None
+
+
+def count_tensors(files: list[Path]) -> int | None:
+    """How many tensors the checkpoint holds (for the progress bar), when cheap to know."""
+    index = sorted(files[0].parent.glob("*.index.json")) if files else []
+    if index:
+        return len(json.loads(index[0].read_text()).get("weight_map", {})) or None
+    if all(f.suffix == ".safetensors" for f in files):
+        from safetensors import safe_open
+
+        total = 0
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                total += len(list(handle.keys()))
+        return total
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Verification
+# ----------------------------------------------------------------------------------------------------------------
+def verification_inputs(src_dir: Path, config: DCFormerConfig) -> tuple[list[torch.Tensor], str]:
+    """A few sentences tokenised by the source's tokenizer plus one longer passage (longer than a local window,
+    so that a window's effect shows); random token ids when the source has no usable tokenizer."""
+    long_len = min(config.max_position_embeddings, max(128, (config.window_size or 0) + 64))
+    sequences, how = [], "the source's tokenizer"
+    try:
+        from transformers import AutoTokenizer
+
+        if not any((src_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+            raise FileNotFoundError("no tokenizer files")
+        tokenizer = AutoTokenizer.from_pretrained(str(src_dir))
+        for text in VERIFY_SENTENCES:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            sequences.append(torch.tensor(ids[: config.max_position_embeddings], dtype=torch.long))
+        passage = torch.cat(sequences)
+        if passage.numel() == 0 or int(passage.max()) >= config.vocab_size:
+            raise ValueError("the tokenizer does not fit the vocabulary")
+        repeats = -(-long_len // passage.numel())
+        sequences.append(passage.repeat(repeats)[:long_len])
+        sequences = [s for s in sequences if s.numel() > 0]
+    except Exception:  # no tokenizer, or one that does not load or fit: raw token ids still test the function
+        generator = torch.Generator().manual_seed(0)
+        lengths = [min(n, config.max_position_embeddings) for n in (8, 16, 32)] + [long_len]
+        sequences = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in lengths]
+        how = "random token ids: no usable tokenizer"
+    return sequences, how
+
+
+@torch.no_grad()
+def max_logit_difference(src_dir: Path, converted_dir: Path, config: DCFormerConfig) -> tuple[float, int, str]:
+    """Max |logit difference| in fp32 between the source and the converted model on the verification inputs.
+    The models are loaded one after the other, so the peak is one fp32 model (4 bytes a parameter)."""
+    from transformers import GPTNeoXForCausalLM
+
+    sequences, how = verification_inputs(src_dir, config)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        source = GPTNeoXForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32, attn_implementation="eager")
+        source.eval()
+        reference = [source(ids[None], use_cache=False).logits[0] for ids in sequences]
+        del source
+        converted = DCFormerForCausalLM.from_pretrained(str(converted_dir), dtype=torch.float32).eval()
+        diff = 0.0
+        for ids, ref in zip(sequences, reference):
+            logits = converted(ids[None], use_cache=False).logits[0]
+            step = float((logits - ref).abs().max())
+            diff = max(diff, step if math.isfinite(step) else math.inf)  # a NaN must fail, not vanish in max()
+        del converted
+    finally:
+        logging.set_verbosity(verbosity)
+    return diff, len(sequences), how
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversion
+# ----------------------------------------------------------------------------------------------------------------
+def convert(
+    src: str,
+    dst: str,
+    overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    revision: str | None = None,
+    init_scale: float = DEFAULT_INIT_SCALE,
+    seed: int = 0,
+    qk_norm: bool = False,
+    window_size: int | None = None,
+    window_type: str | None = None,
+    verify: bool | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> Path:
+    """Convert `src` (local directory or Hub id of a GPT-NeoX causal LM) into a DCPythia checkpoint at `dst`.
+    `verify=None` verifies checkpoints up to `VERIFY_DEFAULT_MAX_PARAMS` parameters. Raises ValueError (or
+    OSError) with a readable message on any problem; `dst` is then left untouched."""
+    if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+        raise ValueError(f"--init-scale must be a positive number, got {init_scale!r}")
+    exact = not qk_norm and window_size is None
+    is_local = Path(src).is_dir()
+    if is_local and revision is not None:
+        raise ValueError(f"--revision applies to Hub ids only; {src} is a local directory")
+    src_dir = resolve_source(src, revision)
+    source_config = read_gpt_neox_config(read_config(src_dir), src)
+    provenance = dict(
+        converted_from=str(Path(src).resolve()) if is_local else src,
+        converted_from_revision=revision,
+        converted_from_commit=snapshot_revision(src_dir),
+        converted_from_model_type="gpt_neox",
+        conversion={
+            "tool": "conversion/pythia_to_dcpythia.py",
+            "dynamic_weights_init": "exact (active/dormant halves, dd = 0)",
+            "init_scale": init_scale,
+            "seed": seed,
+            "exact": exact,
+        },
+    )
+    config = dcpythia_config(source_config, qk_norm, window_size, window_type, **provenance)
+    shapes = expected_shapes(config)
+    target_dtype = parse_dtype(dtype)
+    files = weight_files(src_dir)
+    dst_path = Path(dst)
+    if not exact:
+        changed = " and ".join(
+            name for name, on in (("--qk-norm", qk_norm), (f"--window-size {window_size}", window_size)) if on
+        )
+        print(
+            f"warning: {changed} give the released DCPythia architecture: the converted model no longer computes "
+            f"{src}'s function (its logits will differ; the measured difference is reported below)",
+            file=sys.stderr,
+        )
+
+    with atomic_output_dir(dst_path, overwrite) as tmp:
+        writer = ShardWriter(tmp, parse_size(max_shard_size))
+        written: dict[str, torch.dtype] = {}
+        layer_dtypes: dict[int, torch.dtype] = {}
+        num_params = 0
+
+        def put(key: str, tensor: torch.Tensor, source_key: str) -> None:
+            if key not in shapes:
+                raise ValueError(f"{source_key}: the model has no tensor {key!r} for it (config mismatch?)")
+            if tuple(tensor.shape) != shapes[key]:
+                raise ValueError(
+                    f"{source_key} -> {key}: checkpoint shape {tuple(tensor.shape)} vs model shape {shapes[key]}"
+                )
+            if key in written:
+                raise ValueError(f"{source_key}: {key} appears twice in the checkpoint")
+            written[key] = tensor.dtype
+            writer.add(key, tensor if target_dtype is None else tensor.to(target_dtype))
+
+        with tqdm(total=count_tensors(files), desc="Converting", unit="tensor") as bar:
+            for file in files:
+                for source_key, tensor in iter_shard(file):
+                    bar.update(1)
+                    try:
+                        key, fused = target_key(source_key)
+                    except ValueError as err:
+                        raise ValueError(f"{file.name}: {err}") from None
+                    if key is None:
+                        continue
+                    if key == "lm_head.weight" and config.tie_word_embeddings:
+                        continue  # tied to the input embedding: not stored
+                    num_params += tensor.numel()
+                    if fused:
+                        tensor = regroup_qkv(tensor, config.num_attention_heads)
+                        if key.endswith(".weight"):
+                            layer_dtypes[int(key.split(".")[2])] = tensor.dtype
+                    put(key, tensor, source_key)
+
+        generator = torch.Generator().manual_seed(seed)
+        default_dtype = max(set(written.values()) or {torch.float32}, key=lambda d: torch.finfo(d).bits)
+        for layer in range(config.num_hidden_layers):
+            new_dtype = target_dtype or layer_dtypes.get(layer, default_dtype)
+            for key, tensor in new_layer_tensors(config, layer, new_dtype, init_scale, generator).items():
+                put(key, tensor, "(new)")
+        missing = sorted(set(shapes) - set(written))
+        if missing:
+            raise ValueError(f"the checkpoint lacks tensors a GPT-NeoX causal LM needs: {missing}")
+        writer.finish()
+        saved_dtypes = {target_dtype} if target_dtype is not None else set(written.values())
+        config.dtype = max(saved_dtypes, key=lambda d: torch.finfo(d).bits)
+        config.architectures = ["DCFormerForCausalLM"]
+        config.save_pretrained(tmp)
+        copied = copy_tokenizer_files(src_dir, tmp)
+        logger.info(f"copied tokenizer files: {copied}")
+
+        if verify is None:
+            verify = num_params <= VERIFY_DEFAULT_MAX_PARAMS
+            if not verify:
+                print(
+                    f"verify: skipped by default for {num_params / 1e9:.2f}B parameters (more than "
+                    f"{VERIFY_DEFAULT_MAX_PARAMS / 1e9:.1f}B); pass --verify to run it (one fp32 model in memory "
+                    "at a time)",
+                    file=sys.stderr,
+                )
+        if verify:
+            diff, count, how = max_logit_difference(src_dir, tmp, config)
+            config.conversion = {**config.conversion, "max_logit_difference": diff}
+            config.save_pretrained(tmp)
+            if exact:
+                verdict = "OK" if diff <= tolerance else "FAILED"
+                print(
+                    f"verify: max |logit difference| (fp32) on {count} sequences ({how}) = {diff:.3e} "
+                    f"(bound {tolerance:.0e}): {verdict}"
+                )
+                if diff > tolerance:
+                    raise VerificationError(
+                        f"the converted model's logits differ from {src}'s by {diff:.3e} > {tolerance:.0e}; "
+                        f"nothing was written to {dst_path}"
+                    )
+            else:
+                print(
+                    f"warning: max |logit difference| (fp32) from {src} on {count} sequences ({how}) = {diff:.3e} "
+                    "(expected: the function is no longer the source's; no bound applied)",
+                    file=sys.stderr,
+                )
+        elif not exact:
+            print("warning: the logit difference was not measured (verification off); pass --verify", file=sys.stderr)
+    print(f"Converted {src} -> {dst_path} ({len(written)} tensors, {num_params / 1e6:.1f}M source parameters)")
+    return dst_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src", help="GPT-NeoX checkpoint: local directory or Hub id (e.g. EleutherAI/pythia-410m)")
+    parser.add_argument("dst", help="output directory (must be empty or absent unless --overwrite)")
+    parser.add_argument("--revision", default=None, help="Hub revision of SRC (e.g. step100000)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    parser.add_argument("--dtype", default=None, help="cast to float32/float16/bfloat16 (default: keep the source's)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    parser.add_argument(
+        "--init-scale",
+        type=float,
+        default=DEFAULT_INIT_SCALE,
+        help=f"std of the random halves of the dynamic weights (default {DEFAULT_INIT_SCALE}); the function is "
+        "exact whatever the scale",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the dynamic-weight init (default 0)")
+    parser.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compare both models' fp32 logits on a few sentences (default: on up to 1.1B parameters)",
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="largest allowed |logit difference| (1e-4)"
+    )
+    released = parser.add_argument_group("released architecture (changes the function: not Pythia's any more)")
+    released.add_argument("--qk-norm", action="store_true", help="add qk-norm (scales start at 1)")
+    released.add_argument("--window-size", type=int, default=None, help="local attention window (e.g. 256)")
+    released.add_argument("--window-type", default=None, help="local/global pattern: LG (default), LGLL, LGL6, ...")
+    args = parser.parse_args(argv)
+    try:
+        convert(
+            args.src,
+            args.dst,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
+            revision=args.revision,
+            init_scale=args.init_scale,
+            seed=args.seed,
+            qk_norm=args.qk_norm,
+            window_size=args.window_size,
+            window_type=args.window_type,
+            verify=args.verify,
+            tolerance=args.tolerance,
+        )
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
