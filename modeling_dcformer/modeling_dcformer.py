@@ -458,9 +458,14 @@ class DCFormerCacheLayer(DynamicLayer):
         self.key_terms = None
         self.cumulative_length = 0
 
+    def get_max_length(self) -> int:
+        return -1 if self.window_size is None else self.window_size - 1
+
     def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
         if self.window_size is not None:
-            raise ValueError("A local (sliding-window) DCFormer cache layer cannot be cropped")
+            raise ValueError("A local (sliding-window) DCFormer cache layer cannot be cropped: dropped keys are gone")
         super().crop(tokens_to_remove)
         if tokens_to_remove < 0 and self.is_initialized:
             if self.key_terms is not None:
@@ -708,7 +713,13 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # the model builds its own DCFormerCache on the first forward with use_cache
+        return False  # a DynamicCache cannot hold the keys' composition terms
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """`generate()` starts from a `DCFormerCache` (keys, values and the keys' composition factors)."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            model_kwargs["past_key_values"] = DCFormerCache(self.config)
 
     def get_output_embeddings(self):
         return self.lm_head

@@ -39,6 +39,16 @@ BODIES = {
 body_params = pytest.mark.parametrize("body", list(BODIES), ids=list(BODIES))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning OpenMP workers
+    made this file 20x slower under load (8 s -> 180 s); restored afterwards for the other test files."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def rand_ids(batch, length, seed=0, vocab=100):
     return torch.randint(1, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -330,6 +340,34 @@ def test_decoding_with_explicit_empty_cache(tiny_model):
     torch.testing.assert_close(torch.cat([first.logits, last], 1), full, rtol=1e-4, atol=1e-4)
 
 
+def test_cache_crop_select_and_reset(tiny_model):
+    """The generic Cache operations keep the key terms in step with the keys (global layers; local ones refuse)."""
+    model = tiny_model(use_qk_norm=True)
+    ids = rand_ids(2, 10)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :8], use_cache=True).past_key_values
+        cache.crop(-3)  # transformers 5 crops by a negative number of tokens
+        assert cache.get_seq_length() == 5
+        assert all(layer.keys.shape[-2] == layer.key_terms.shape[1] == 5 for layer in cache.layers)
+        torch.testing.assert_close(model(ids[:, 5:], past_key_values=cache).logits, full[:, 5:], rtol=1e-4, atol=1e-4)
+
+        cache = model(ids[:, :8], use_cache=True).past_key_values
+        cache.batch_select_indices(torch.tensor([1]))
+        assert all(layer.key_terms.shape[0] == 1 for layer in cache.layers)
+        torch.testing.assert_close(model(ids[1:, 8:], past_key_values=cache).logits, full[1:, 8:], rtol=1e-4, atol=1e-4)
+
+        cache.reset()
+        assert cache.get_seq_length() == 0
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits, full, rtol=1e-5, atol=1e-5)
+
+    local = tiny_model(window_size=3)
+    with torch.no_grad():
+        cache = local(ids[:, :4], use_cache=True).past_key_values
+    with pytest.raises(ValueError):
+        cache.crop(-1)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 6. generate()
 # ------------------------------------------------------------------------------------------------------------
@@ -353,6 +391,15 @@ def test_greedy_generate_matches_repeated_full_forwards(tiny_model):
     with torch.no_grad():
         got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, use_cache=True)
     assert got.shape == (2, 15)
+    assert torch.equal(got, manual_greedy(model, ids, None, 10))
+
+
+def test_prompt_lookup_decoding_matches_greedy(tiny_model):
+    """Assisted (prompt-lookup) decoding needs generate() to start from a cache it can crop: a DCFormerCache."""
+    model = tiny_model()  # every layer global: a global cache layer can be cropped
+    ids = rand_ids(1, 6).repeat(1, 2)  # repeated n-grams, so candidate tokens are proposed and checked
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3)
     assert torch.equal(got, manual_greedy(model, ids, None, 10))
 
 
@@ -536,23 +583,77 @@ def test_half_precision_forward_backward_generate(tiny_model, dtype):
 # ------------------------------------------------------------------------------------------------------------
 # 10. Attention chunking
 # ------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("body", ["global", "LG-w3", "LGLL-w3-qknorm-querywise"])
-def test_attention_chunk_size_does_not_change_results(tiny_model, body):
+CHUNK_BODIES = pytest.mark.parametrize("body", ["global", "LG-w3", "LGLL-w3-qknorm-querywise"])
+
+
+def train_step(model, ids, mask, labels):
+    out = model(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@CHUNK_BODIES
+def test_attention_chunk_size_and_recompute_do_not_change_training(tiny_model, body):
+    """Forward and backward in train mode are independent of attention_chunk_size, and of attention_recompute
+    (each chunk's attention recomputed in the backward pass, active in train mode without output_attentions)."""
     ids, mask, _ = lengths_batch([10, 6], side="left")
     labels = ids.masked_fill(mask == 0, -100)
     results = {}
     for chunk in (1, 3, 512):
-        model = tiny_model(**BODIES[body], attention_chunk_size=chunk).train()
-        out = model(ids, attention_mask=mask, labels=labels, output_attentions=True)
-        out.loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        results[chunk] = (out.logits.detach(), out.attentions, out.loss.detach(), grads)
-    ref_logits, ref_att, ref_loss, ref_grads = results[512]
-    for chunk in (1, 3):
-        logits, att, loss, grads = results[chunk]
-        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        for recompute in (False, True):
+            model = tiny_model(**BODIES[body], attention_chunk_size=chunk, attention_recompute=recompute).train()
+            results[chunk, recompute] = train_step(model, ids, mask, labels)
+    ref_logits, ref_loss, ref_grads = results[512, False]
+    for (chunk, recompute), (logits, loss, grads) in results.items():
+        # recomputing a chunk replays the same kernels: as good as bit-identical
+        same_logits, same_loss, same_grads = results[chunk, False]
+        torch.testing.assert_close(logits, same_logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loss, same_loss, rtol=1e-6, atol=1e-6)
+        for name in same_grads:
+            torch.testing.assert_close(grads[name], same_grads[name], rtol=1e-6, atol=1e-6, msg=name)
+        # Chunking is exact (float64 copies of the kernels agree to 1e-15); in fp32 the tiny model with dyn_w_proj
+        # at std 0.5 amplifies round-off (~4e-6 on logits, ~1.5e-4 of a gradient's range): tolerances carry that.
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=3e-5)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for a, r in zip(att, ref_att):
-            torch.testing.assert_close(a.detach(), r.detach(), rtol=1e-5, atol=1e-5)
         for name in ref_grads:
-            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+            scale = ref_grads[name].abs().max().item()
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-3, atol=1e-3 * scale, msg=name)
+
+
+def test_attention_recompute_saves_chunk_intermediates(tiny_model):
+    """Guard that the recompute path is taken: with it, the attention's backward re-runs the forward of its
+    chunks, so fewer tensors are saved for backward during the forward pass."""
+    ids = rand_ids(2, 12)
+
+    def saved_numel(recompute):
+        model = tiny_model(window_size=3, attention_chunk_size=4, attention_recompute=recompute).train()
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        return total[0]
+
+    assert saved_numel(True) < saved_numel(False)
+
+
+@CHUNK_BODIES
+def test_attention_chunk_size_does_not_change_attentions(tiny_model, body):
+    ids, mask, _ = lengths_batch([10, 6], side="left")
+    results = {}
+    for chunk in (1, 3, 512):
+        model = tiny_model(**BODIES[body], attention_chunk_size=chunk)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, output_attentions=True)
+        results[chunk] = (out.logits, out.attentions)
+    ref_logits, ref_att = results[512]
+    for chunk in (1, 3):
+        logits, att = results[chunk]
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=3e-5)
+        for a, r in zip(att, ref_att):
+            # composed probabilities reach tens in magnitude: the tolerance scales with them
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5 * max(1.0, r.abs().max().item()))
