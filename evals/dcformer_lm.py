@@ -1,0 +1,75 @@
+"""The `dcformer` model of lm-eval: lm-eval's own Hugging Face model class (HFLM) for DCFormer checkpoints.
+
+Importing this module imports `modeling_dcformer` (which registers model types "dcformer" and "dcpythia" with
+transformers' Auto classes) and registers the name `dcformer` with lm-eval's model registry, so that
+`--model dcformer` (or `lm_eval.api.registry.get_model("dcformer")`) resolves to `DCFormerLM`.
+
+`DCFormerLM` is HFLM with three differences, everything else passed through unchanged (`dtype`, `device`,
+`batch_size`, `max_length`, `tokenizer`, `revision`, `parallelize`, `peft`, ... and any other keyword, which HFLM
+hands to `from_pretrained`, so a config override such as `attention_chunk_size=512` works too):
+
+- the backend is causal (transformers' static list of causal model types does not know "dcformer", so plain
+  HFLM guesses, with a warning);
+- `trust_remote_code` defaults to False: every checkpoint this project loads -- our native layout, a converted
+  Pythia, the authors' released layout (config `model_type` "dcpythia"/"dcformer" with `dim`, `n_layer`, ...
+  and an `auto_map` to their remote code) -- loads with the code in this repository;
+- a checkpoint without tokenizer files fails with a message that says to pass `tokenizer=...`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # the package is used from the checkout, installed or not
+    sys.path.insert(0, str(REPO_ROOT))
+
+import modeling_dcformer  # noqa: E402,F401  (registers the Auto classes)
+from lm_eval.api.registry import model_registry, register_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+
+MODEL_NAME = "dcformer"
+
+logger = logging.getLogger(__name__)
+
+
+class DCFormerLM(HFLM):
+    """lm-eval's HFLM for DCFormer / DCPythia checkpoints (a path, a Hub id, or an in-memory model)."""
+
+    def __init__(self, pretrained, backend: str = "causal", trust_remote_code: bool | None = False, **kwargs) -> None:
+        if trust_remote_code:
+            logger.warning(
+                "--model %s with trust_remote_code=True: a checkpoint whose config has an auto_map (the released "
+                "layout has one) then runs its own remote code, not modeling_dcformer", MODEL_NAME,
+            )
+        super().__init__(pretrained=pretrained, backend=backend, trust_remote_code=trust_remote_code, **kwargs)
+        model_type = getattr(self.config, "model_type", None)
+        if model_type != modeling_dcformer.DCFormerConfig.model_type:
+            logger.warning(
+                "--model %s got a model of type %r, not a DCFormer; it is evaluated as any Hugging Face causal LM "
+                "(the same as --model hf)", MODEL_NAME, model_type,
+            )
+
+    def _create_tokenizer(self, pretrained, tokenizer, *args, **kwargs) -> None:
+        try:
+            super()._create_tokenizer(pretrained, tokenizer, *args, **kwargs)
+        except (OSError, ValueError, TypeError) as err:
+            where = tokenizer if isinstance(tokenizer, str) else pretrained if isinstance(pretrained, str) else None
+            raise OSError(
+                f"could not load a tokenizer from {where!r} ({err}). Pass one in --model_args, e.g. "
+                "tokenizer=EleutherAI/pythia-6.9b (DCPythia checkpoints use the Pythia / GPT-NeoX tokenizer), "
+                "or tokenizer=<local directory>"
+            ) from err
+
+
+def register() -> None:
+    """Register `dcformer` with lm-eval's model registry (idempotent; done on import)."""
+    if MODEL_NAME not in model_registry:
+        register_model(MODEL_NAME)(DCFormerLM)
+
+
+register()
+
+__all__ = ["DCFormerLM", "MODEL_NAME", "register"]
