@@ -33,7 +33,7 @@ from conversion.common import (
     weight_files,
 )
 from modeling_dcformer import DCFormerConfig
-from modeling_dcformer.released_format import SPLIT_QKV, is_released_config, native_key
+from modeling_dcformer.released_format import SPLIT_QKV, is_released_config, native_key, query_wise_slots
 
 logger = logging.get_logger("dcformer.caiyun_to_hf")
 IDENTITY_BUFFERS = re.compile(r"dyn_w_proj\.(pre_proj|post_proj)\.w$")
@@ -103,6 +103,8 @@ def convert(
                     continue  # derived tensor (merged copies, cache buffers): recomputed, never trusted
                 split = SPLIT_QKV.match(source_key)
                 if split is None:
+                    if config.query_wise:
+                        tensor = query_wise_slots(key, tensor, config.heads_per_group)
                     put(key, tensor, source_key)
                     continue
                 layer, part, kind = split.groups()
@@ -140,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         convert(args.src, args.dst, args.overwrite, args.max_shard_size, args.dtype, args.revision)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:  # a clear one-line error (bad input, corrupt shard) rather than a traceback
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0
 

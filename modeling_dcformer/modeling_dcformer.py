@@ -30,7 +30,7 @@ from transformers.utils import logging
 
 from .configuration_dcformer import DCFormerConfig
 from .released_format import IGNORED as RELEASED_IGNORED_KEYS
-from .released_format import key_renames
+from .released_format import key_renames, query_wise_slots
 
 logger = logging.get_logger(__name__)
 
@@ -571,7 +571,15 @@ def register_released_layout(config: DCFormerConfig) -> None:
     (their MLP's `w1` is our `gate_proj` in the gated body and `up_proj` otherwise), so that `from_pretrained`
     reads released checkpoints directly. Only released names match these patterns; ours load unchanged."""
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-    from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
+    from transformers.core_model_loading import Concatenate, ConversionOps, WeightConverter, WeightRenaming
+
+    class QueryWiseSlots(ConversionOps):
+        """Keeps the query slots of a released 4-slot dynamic weight for a query-wise model."""
+
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            (tensors,) = input_dict.values()
+            tensor = tensors[0] if isinstance(tensors, list) else tensors
+            return {target_patterns[0]: query_wise_slots(target_patterns[0], tensor, config.heads_per_group)}
 
     mapping = [WeightRenaming(source, target) for source, target in key_renames(config.use_gated_mlp)]
     mapping.append(
@@ -579,6 +587,9 @@ def register_released_layout(config: DCFormerConfig) -> None:
             [r"attention\.wq", r"attention\.wk", r"attention\.wv"], "self_attn.qkv_proj", operations=[Concatenate(dim=0)]
         )
     )
+    if config.query_wise:
+        for name in ("dw1", "qkw", "dd"):
+            mapping.append(WeightConverter(rf"dyn_w_proj\.{name}", f"dyn_w_proj.{name}", operations=[QueryWiseSlots()]))
     register_checkpoint_conversion_mapping(config.model_type, mapping, overwrite=True)
 
 

@@ -83,8 +83,9 @@ def translate_released_config(config_dict: dict) -> dict:
         )
     if config_dict.get("mgate"):
         raise ValueError("released config: mgate=True (gated MLP chunks) is not supported by this implementation")
-    if "intermediate_size" not in config_dict:
-        raise ValueError("released config: intermediate_size is missing")
+    if config_dict.get("intermediate_size") is None:
+        # The released code's default: 2/3 of 4 * dim, rounded up to a multiple of 256.
+        config_dict = dict(config_dict, intermediate_size=-(-int(8 * dim / 3) // 256) * 256)
 
     ours = dict(BODIES[model_type])
     if "use_linear_bias" in config_dict:
@@ -123,6 +124,20 @@ def key_renames(use_gated_mlp: bool) -> list[tuple[str, str]]:
         (r"feed_forward\.w3", "mlp.up_proj"),
         (r"^output", "lm_head"),
     ]
+
+
+def query_wise_slots(key: str, tensor, heads_per_group: int):
+    """The released code stores all four composition slots even when `query_wise` is on; our query-wise model
+    keeps only the query slots (pre-query, post-query) = slots 0 and 2. Returns the tensor with those slots,
+    or the tensor unchanged if it already has two."""
+    if key.endswith("dyn_w_proj.dw1") and tensor.shape[2] == 4:  # [D, G, C, K]
+        return tensor[:, :, 0::2].contiguous()
+    if key.endswith("dyn_w_proj.qkw") and tensor.shape[1] == 4:  # [G, C, K, 2I, M]
+        return tensor[:, 0::2].contiguous()
+    if key.endswith("dyn_w_proj.dd") and tensor.shape[2] == 4 * heads_per_group:  # [D, G, C*M]
+        D, G, M = tensor.shape[0], tensor.shape[1], heads_per_group
+        return tensor.view(D, G, 4, M)[:, :, 0::2].reshape(D, G, 2 * M).contiguous()
+    return tensor
 
 
 # Split q/k/v projections, concatenated (all q, then all k, then all v) into our fused qkv_proj.
