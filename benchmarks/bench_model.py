@@ -1,0 +1,482 @@
+#!/usr/bin/env python3
+"""DCFormer vs. a plain-attention baseline of the same shape, on CPU: prefill, training step, decode, memory.
+
+The baseline is transformers' `GPTNeoXForCausalLM` (SDPA attention) for DCPythia-style bodies (the default,
+Pythia-160M's shape) and `LlamaForCausalLM` (SDPA) for DCFormer++-style bodies (RMSNorm, SwiGLU). Both
+models get the same hidden size, layers, heads, MLP width, vocabulary and dtype, random weights.
+
+Measurements (each ratio is DCFormer / baseline):
+    prefill     forward of one batch of `--seq-len` tokens under inference_mode, filling the KV cache and
+                computing the logits of the last position only (what `generate` does) -> seconds
+    fwd+bwd     training step without optimizer: train mode, loss on `--seq-len` tokens, backward -> seconds
+    decode      greedy `generate` with use_cache: `--decode-prompt` prompt tokens, exactly `--decode-new` new
+                tokens (EOS disabled) -> new tokens per second, prompt processing included
+    peak memory the process's peak resident memory during each measurement, above its resident memory
+                after the model was built (Linux: VmHWM reset through /proc/self/clear_refs; elsewhere a
+                sampling thread) -> MiB
+Every measurement runs in a fresh process forked from this one (the imports are paid once; no allocator
+state leaks from one measurement into the next). Time: per phase, one process holds both models, warms each
+up once, then runs them `--repeats` times interleaved (A B B A ...) so that both see the same machine load;
+the median is reported. Memory: one run per model and phase, each in its own process.
+
+    python benchmarks/bench_model.py                      # Pythia-160M shape, T=1024, fp32
+    python benchmarks/bench_model.py --quick              # tiny smoke test (a few seconds of work)
+    python benchmarks/bench_model.py --shape pythia-70m --seq-len 512 --window 256
+    python benchmarks/bench_model.py --profile            # also: top DCFormer prefill ops (torch.profiler)
+
+`run_benchmark(argv)` returns the results as a dict (used by examples/demo.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import json
+import multiprocessing
+import os
+import platform
+import shlex
+import statistics
+import sys
+import threading
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the package is used from the checkout, installed or not
+    sys.path.insert(0, ROOT)
+CONFIG_DIR = os.path.join(ROOT, "configuration")
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import modeling_dcformer  # noqa: E402,F401
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+MIB = 1024 * 1024
+PHASES = ("prefill", "train", "decode")
+QUICK = dict(shape="dcformer-tiny", seq_len=128, decode_prompt=16, decode_new=16, repeats=2)
+DEFAULTS = dict(shape="pythia-160m", seq_len=1024, decode_prompt=128, decode_new=128, repeats=3)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Command line and shapes
+# ------------------------------------------------------------------------------------------------------------
+def preset_names() -> list[str]:
+    return sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONFIG_DIR, "*.json")))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="DCFormer vs GPT-NeoX (or Llama) of the same shape on CPU: prefill, fwd+bwd, decode, memory.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--shape", default=None,
+                   help="a preset of configuration/ (e.g. dcpythia-pythia-410m, dcformer-tiny) or pythia-SIZE "
+                        f"(-> dcpythia-pythia-SIZE.json); default {DEFAULTS['shape']} ({QUICK['shape']} with --quick)")
+    p.add_argument("--seq-len", type=int, default=None, help=f"tokens of prefill and fwd+bwd (default {DEFAULTS['seq_len']})")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--decode-prompt", type=int, default=None, help=f"prompt tokens for decode (default {DEFAULTS['decode_prompt']})")
+    p.add_argument("--decode-new", type=int, default=None, help=f"new tokens for decode (default {DEFAULTS['decode_new']})")
+    p.add_argument("--repeats", type=int, default=None, help=f"timed runs after one warm-up (default {DEFAULTS['repeats']})")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's default; 1 with --quick)")
+    p.add_argument("--window", type=int, default=None,
+                   help="make DCFormer layers local with this window (pattern from --window-type); 0: every layer "
+                        "global. Default: the preset's own setting")
+    p.add_argument("--window-type", default=None, help="window pattern with --window (None: 'LG', even layers local)")
+    p.add_argument("--qk-norm", choices=("on", "off"), default=None, help="override the preset's qk-norm")
+    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
+    p.add_argument("--quick", action="store_true", help="tiny model and short inputs: a smoke test")
+    p.add_argument("--profile", action="store_true", help="also profile one DCFormer prefill and print its top ops")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    base = QUICK if args.quick else DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.threads is None:  # a tiny model gains nothing from threads, and they hurt on a loaded machine
+        args.threads = 1 if args.quick else torch.get_num_threads()
+    args.phases = [ph.strip() for ph in args.phases.split(",") if ph.strip()]
+    unknown = set(args.phases) - set(PHASES)
+    if unknown:
+        p.error(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+    for name in ("seq_len", "batch_size", "decode_prompt", "decode_new", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def resolve_preset(shape: str) -> str:
+    candidates = [shape, os.path.join(CONFIG_DIR, shape), os.path.join(CONFIG_DIR, shape + ".json"),
+                  os.path.join(CONFIG_DIR, "dcpythia-" + shape + ".json")]
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    raise SystemExit(f"unknown --shape {shape!r}: use a file or one of {', '.join(preset_names())} "
+                     "(or pythia-SIZE for dcpythia-pythia-SIZE)")
+
+
+def dcformer_config(args) -> DCFormerConfig:
+    config = DCFormerConfig.from_json_file(resolve_preset(args.shape))
+    overrides = {}
+    if args.window is not None:
+        overrides.update(window_size=args.window or None, window_type=args.window_type, layer_types=None)
+    if args.qk_norm is not None:
+        overrides["use_qk_norm"] = args.qk_norm == "on"
+    max_len = max(args.seq_len, args.decode_prompt + args.decode_new)
+    if max_len > config.max_position_embeddings:
+        overrides["max_position_embeddings"] = max_len
+    if overrides:
+        config = DCFormerConfig(**{**config.to_dict(), **overrides})
+    return config
+
+
+def baseline_config(dc: DCFormerConfig):
+    """(name, config) of the plain-attention model of the same shape as `dc`."""
+    common = dict(
+        vocab_size=dc.vocab_size, hidden_size=dc.hidden_size, num_hidden_layers=dc.num_hidden_layers,
+        num_attention_heads=dc.num_attention_heads, intermediate_size=dc.intermediate_size,
+        max_position_embeddings=dc.max_position_embeddings, hidden_act=dc.hidden_act,
+        attention_bias=dc.attention_bias, tie_word_embeddings=dc.tie_word_embeddings,
+        bos_token_id=dc.bos_token_id, eos_token_id=dc.eos_token_id,
+    )
+    pythia_like = dc.norm_type == "layernorm" and not dc.use_gated_mlp
+    if pythia_like:
+        cfg = GPTNeoXConfig(**common, layer_norm_eps=dc.layer_norm_eps, use_parallel_residual=dc.use_parallel_residual,
+                            partial_rotary_factor=dc.partial_rotary_factor, rope_theta=dc.rope_theta)
+        return "GPT-NeoX", cfg
+    cfg = LlamaConfig(**common, rms_norm_eps=dc.layer_norm_eps, mlp_bias=dc.mlp_bias,
+                      rope_parameters={"rope_type": "default", "rope_theta": dc.rope_theta})
+    return "Llama", cfg
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Memory
+# ------------------------------------------------------------------------------------------------------------
+def _read_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakRSS:
+    """Peak resident memory of this process from `start()` to `stop()`, in bytes above the RSS at `start()`."""
+
+    def __init__(self):
+        self.method = "sampling"
+        self._thread = None
+        self._stop = threading.Event()
+        self._peak = 0
+
+    @staticmethod
+    def current() -> int:
+        kib = _read_status_kib("VmRSS")
+        if kib is not None:
+            return kib * 1024
+        import psutil  # noqa: PLC0415
+
+        return psutil.Process().memory_info().rss
+
+    def start(self):
+        self.base = self.current()
+        try:  # Linux: "5" resets the peak RSS (VmHWM) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            if _read_status_kib("VmHWM") is not None:
+                self.method = "VmHWM"
+                return self
+        except OSError:
+            pass
+        self._peak = self.base
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self._peak = max(self._peak, self.current())
+            time.sleep(0.002)
+
+    def stop(self) -> int:
+        if self.method == "VmHWM":
+            peak = _read_status_kib("VmHWM") * 1024
+        else:
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._peak, self.current())
+        return max(0, peak - self.base)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One measurement (runs in a forked child)
+# ------------------------------------------------------------------------------------------------------------
+def build_model(kind: str, dc_cfg: DCFormerConfig, dtype: torch.dtype):
+    torch.manual_seed(0)
+    if kind == "dcformer":
+        model = DCFormerForCausalLM(dc_cfg)
+    else:
+        name, cfg = baseline_config(dc_cfg)
+        cls = GPTNeoXForCausalLM if name == "GPT-NeoX" else LlamaForCausalLM
+        model = cls._from_config(cfg, attn_implementation="sdpa")
+    model = model.to(dtype)
+    model.generation_config.eos_token_id = None  # decode exactly --decode-new tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def make_step(model, phase: str, dc_cfg: DCFormerConfig, opts: dict):
+    """A closure running one measured operation of `phase` on `model` (and the model mode it needs)."""
+    gen = torch.Generator().manual_seed(1)
+    B = opts["batch_size"]
+    length = opts["decode_prompt"] if phase == "decode" else opts["seq_len"]
+    ids = torch.randint(0, dc_cfg.vocab_size, (B, length), generator=gen)
+    mask = torch.ones_like(ids)
+    if phase == "prefill":
+        model.eval()
+
+        def step():
+            with torch.inference_mode():
+                out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+            assert out.logits.shape[1] == 1
+    elif phase == "train":
+        model.train()
+
+        def step():
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+            out.loss.backward()
+            model.zero_grad(set_to_none=True)
+    else:
+        model.eval()
+        new = opts["decode_new"]
+
+        def step():
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                     do_sample=False, use_cache=True)
+            assert out.shape[1] == ids.shape[1] + new, out.shape
+    return step
+
+
+def timed(step) -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def measure_time(phase: str, dc_cfg: DCFormerConfig, opts: dict) -> dict:
+    """Both models in one process, runs interleaved (A B B A ...) so that both see the same machine load."""
+    torch.set_num_threads(opts["threads"])
+    dtype = DTYPES[opts["dtype"]]
+    steps, info = {}, {}
+    for kind in ("baseline", "dcformer"):
+        model = build_model(kind, dc_cfg, dtype)
+        info[kind] = dict(params=sum(p.numel() for p in model.parameters()),
+                          weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                          attn_implementation=getattr(model.config, "_attn_implementation", None))
+        steps[kind] = make_step(model, phase, dc_cfg, opts)
+    for kind in ("baseline", "dcformer"):  # warm-up
+        timed(steps[kind])
+    times = {"baseline": [], "dcformer": []}
+    for r in range(opts["repeats"]):
+        order = ("baseline", "dcformer") if r % 2 == 0 else ("dcformer", "baseline")
+        for kind in order:
+            times[kind].append(timed(steps[kind]))
+    return {kind: dict(info[kind], times=times[kind], median=statistics.median(times[kind]),
+                       torch_threads=torch.get_num_threads()) for kind in times}
+
+
+def measure_memory(kind: str, phase: str, dc_cfg: DCFormerConfig, opts: dict) -> dict:
+    """Peak resident memory of one run of `phase`, above the resident memory after the model was built."""
+    torch.set_num_threads(opts["threads"])
+    model = build_model(kind, dc_cfg, DTYPES[opts["dtype"]])
+    step = make_step(model, phase, dc_cfg, opts)
+    gc.collect()
+    tracker = PeakRSS().start()
+    step()
+    return dict(peak_bytes=tracker.stop(), memory_method=tracker.method)
+
+
+def _child(conn, fn, args):
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_in_fresh_process(fn, *args):
+    """`fn(*args)` in a process forked from this one (imports already done, a clean heap)."""
+    if "fork" not in multiprocessing.get_all_start_methods():  # Windows...: run here, memory less isolated
+        return fn(*args)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args))
+    proc.start()
+    child.close()
+    try:
+        status, payload = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"{fn.__name__}{args[:2]}: the measuring process died (exit code {proc.exitcode})") from None
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"{fn.__name__}{args[:2]} failed:\n{payload}")
+    return payload
+
+
+def profile_dcformer_prefill(dc_cfg: DCFormerConfig, opts: dict, rows: int = 18) -> str:
+    """Top ops (self CPU time) of one DCFormer prefill, after a warm-up."""
+    from torch.profiler import ProfilerActivity, profile, record_function  # noqa: PLC0415
+
+    torch.set_num_threads(opts["threads"])
+    model = build_model("dcformer", dc_cfg, DTYPES[opts["dtype"]]).eval()
+    ids = torch.randint(0, dc_cfg.vocab_size, (opts["batch_size"], opts["seq_len"]),
+                        generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with record_function("prefill"):
+                model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------------------
+def fmt_ratio(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def describe(dc: DCFormerConfig) -> str:
+    local = sum(t == "sliding_attention" for t in dc.layer_types)
+    window = f"window {dc.window_size} on {local}/{dc.num_hidden_layers} layers" if local else "every layer global"
+    return (f"hidden {dc.hidden_size}, {dc.num_hidden_layers} layers, {dc.num_attention_heads} heads, "
+            f"MLP {dc.intermediate_size}{' (gated)' if dc.use_gated_mlp else ''}, vocab {dc.vocab_size}, "
+            f"qk-norm {'on' if dc.use_qk_norm else 'off'}, {window}")
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
+    """Runs the benchmark, prints the report to `out` (progress to `log`), returns the results."""
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    dc_cfg = dcformer_config(args)
+    base_name, _ = baseline_config(dc_cfg)
+    opts = dict(threads=args.threads, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
+                decode_prompt=args.decode_prompt, decode_new=args.decode_new, repeats=args.repeats)
+    argv_list = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join(["python", "benchmarks/bench_model.py", *map(shlex.quote, argv_list)])
+    load_before = load_average()
+
+    def say(line=""):
+        print(line, file=out, flush=True)
+
+    def progress(line):
+        if log is not None:
+            print(f"[bench {time.perf_counter() - t_start:6.1f}s] {line}", file=log, flush=True)
+
+    timing, memory = {}, {}
+    for phase in args.phases:
+        timing[phase] = run_in_fresh_process(measure_time, phase, dc_cfg, opts)
+        progress(f"{phase}: time {base_name} {timing[phase]['baseline']['median']:.3f}s, "
+                 f"DCFormer {timing[phase]['dcformer']['median']:.3f}s")
+        for kind in ("baseline", "dcformer"):
+            memory[(kind, phase)] = run_in_fresh_process(measure_memory, kind, phase, dc_cfg, opts)
+        progress(f"{phase}: peak {base_name} {memory[('baseline', phase)]['peak_bytes'] / MIB:.0f} MiB, "
+                 f"DCFormer {memory[('dcformer', phase)]['peak_bytes'] / MIB:.0f} MiB")
+    wall = time.perf_counter() - t_start
+
+    first = timing[args.phases[0]]
+    rows = [("parameters (M)", first["baseline"]["params"] / 1e6, first["dcformer"]["params"] / 1e6, "{:.1f}"),
+            ("weights (MiB)", first["baseline"]["weight_bytes"] / MIB, first["dcformer"]["weight_bytes"] / MIB, "{:.0f}")]
+    bxt = f"{args.batch_size}x{args.seq_len}"
+    for phase in args.phases:
+        b, d = timing[phase]["baseline"]["median"], timing[phase]["dcformer"]["median"]
+        if phase == "prefill":
+            rows.append((f"prefill {bxt} (s, lower is better)", b, d, "{:.3f}"))
+        elif phase == "train":
+            rows.append((f"fwd+bwd {bxt} (s, lower is better)", b, d, "{:.3f}"))
+        else:
+            n = args.decode_new * args.batch_size
+            rows.append((f"decode {args.decode_prompt}+{args.decode_new} (new tokens/s, higher is better)",
+                         n / b, n / d, "{:.1f}"))
+    mem_label = {"prefill": "prefill", "train": "fwd+bwd", "decode": "decode"}
+    for phase in args.phases:
+        rows.append((f"peak memory, {mem_label[phase]} (MiB over weights)", memory[("baseline", phase)]["peak_bytes"] / MIB,
+                     memory[("dcformer", phase)]["peak_bytes"] / MIB, "{:.0f}"))
+
+    say(f"## DCFormer vs {base_name}: `{command}`")
+    say()
+    say(f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}, "
+        f"{platform.machine()} CPU, {os.cpu_count()} cores visible, {args.threads} torch threads, {args.dtype}")
+    say(f"- shape `{args.shape}`: {describe(dc_cfg)}")
+    say(f"- {base_name}: same shape, `attn_implementation=\"sdpa\"`; DCFormer: its own DCMHA attention "
+        f"(query chunks of {dc_cfg.attention_chunk_size})")
+    say(f"- batch {args.batch_size}; prefill (logits of the last position, cache filled) and fwd+bwd (train mode, "
+        f"loss + backward, no optimizer) on {args.seq_len} tokens; decode: greedy `generate`, {args.decode_prompt} "
+        f"prompt + {args.decode_new} new tokens, use_cache, prompt included")
+    say(f"- time: per phase one fresh process holds both models, 1 warm-up each, then {args.repeats} runs "
+        f"interleaved, median; memory: one run in a fresh process per model and phase")
+    say(f"- load average (1/5/15 min) before: {load_before}, after: {load_average()}")
+    say()
+    say(f"| metric | {base_name} | DCFormer | ratio DCFormer/{base_name} |")
+    say("| --- | ---: | ---: | ---: |")
+    table = []
+    for label, bv, dv, fmt in rows:
+        ratio = dv / bv if bv else float("nan")
+        table.append(dict(metric=label, baseline=bv, dcformer=dv, ratio=ratio))
+        say(f"| {label} | {fmt.format(bv)} | {fmt.format(dv)} | {fmt_ratio(ratio)} |")
+    say()
+    method = memory[("baseline", args.phases[0])]["memory_method"]
+    say(f"Peak memory: peak resident set size during the run minus the resident set size after the model was "
+        f"built ({method}); fwd+bwd includes the gradients.")
+    say("Timed runs (s): " + "; ".join(
+        f"{base_name if k == 'baseline' else 'DCFormer'} {ph}: " + ", ".join(f"{t:.3f}" for t in timing[ph][k]["times"])
+        for ph in args.phases for k in ("baseline", "dcformer")))
+    say(f"Benchmark wall time: {wall:.0f} s")
+
+    summary = dict(command=command, torch=torch.__version__, transformers=transformers.__version__,
+                   threads=args.threads, dtype=args.dtype, shape=args.shape, baseline=base_name, rows=table,
+                   ratios={ph: table[2 + i]["ratio"] for i, ph in enumerate(args.phases)},
+                   memory_ratios={ph: table[2 + len(args.phases) + i]["ratio"] for i, ph in enumerate(args.phases)},
+                   wall_s=wall)
+    if args.profile:
+        say()
+        say(f"### DCFormer prefill profile (top ops by self CPU time, {bxt})")
+        say()
+        say("```")
+        say(run_in_fresh_process(profile_dcformer_prefill, dc_cfg, opts).rstrip())
+        say("```")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def main(argv=None) -> int:
+    run_benchmark(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
