@@ -242,8 +242,8 @@ def dcmha_attention(
     value: torch.Tensor,
     query_terms: torch.Tensor | None,
     key_terms: torch.Tensor | None,
-    query_index: torch.Tensor,
-    key_index: torch.Tensor,
+    query_start: int,
+    key_start: int,
     key_padding_mask: torch.Tensor | None,
     window_size: int | None,
     rank: int,
@@ -257,10 +257,11 @@ def dcmha_attention(
     query: [B, N, T, Dh]; key/value: [B, N, S, Dh].
     query_terms: [B, T, G, Cq, 2I+1, M] (slots pre-query, post-query) or None (plain MHA);
     key_terms: [B, S, G, Ck, 2I+1, M] (slots pre-key, post-key) or None (query-wise / plain).
-    query_index [T], key_index [S]: absolute token indices (past tokens included), increasing.
+    query_start, key_start: absolute token index (past tokens included) of the first query and the first key;
+    the queries and the keys are consecutive tokens.
     key_padding_mask: [B, S] bool, True where the key is a real token, or None.
-    A query t sees a key s when key_index[s] <= query_index[t] (and > query_index[t] - window_size on a
-    local layer) and the key is not padding. Each chunk of queries only touches the keys it can see, so a
+    A query at index i sees a key at index j when j <= i (and j > i - window_size on a local layer) and the
+    key is not padding. Each chunk of queries only touches the keys it can see, so a
     chunk's largest tensors are [B, N, chunk, visible keys]: O(T * window) on a local layer. With
     `recompute`, a chunk's intermediates are not kept for the backward pass but recomputed there, so
     training memory holds one chunk's [B, N, chunk, keys] tensors at a time.
@@ -270,14 +271,13 @@ def dcmha_attention(
     S = key.shape[2]
     outputs = []
     probs_all = query.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
-    k0 = int(key_index[0]) if S > 0 else 0
     for t0 in range(0, T, chunk_size):
         t1 = min(T, t0 + chunk_size)
-        q_idx = query_index[t0:t1]
-        first, last = int(q_idx[0]), int(q_idx[-1])
-        s1 = min(S, last - k0 + 1)
-        s0 = max(0, first - window_size + 1 - k0) if window_size is not None else 0
-        k_idx = key_index[s0:s1]
+        first, last = query_start + t0, query_start + t1 - 1  # absolute indices of the chunk's queries
+        s1 = min(S, last - key_start + 1)
+        s0 = max(0, first - window_size + 1 - key_start) if window_size is not None else 0
+        q_idx = torch.arange(first, last + 1, device=query.device)
+        k_idx = torch.arange(key_start + s0, key_start + s1, device=query.device)
         allowed = k_idx[None, :] <= q_idx[:, None]
         if window_size is not None:
             allowed = allowed & (k_idx[None, :] > q_idx[:, None] - window_size)
@@ -326,7 +326,7 @@ class DCFormerAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        query_index: torch.Tensor,
+        query_start: int = 0,
         padding_mask: torch.Tensor | None = None,
         past_key_values: "DCFormerCache | None" = None,
         output_attentions: bool = False,
@@ -349,20 +349,20 @@ class DCFormerAttention(nn.Module):
             else:  # slots (pre-query, pre-key, post-query, post-key)
                 query_terms, key_terms = terms[:, :, :, 0::2], terms[:, :, :, 1::2]
 
-        key_index = query_index
+        key_start = query_start
         if past_key_values is not None:
-            key, value, key_terms, key_index = past_key_values.update_dcmha(
+            key, value, key_terms, key_start = past_key_values.update_dcmha(
                 key, value, key_terms, self.layer_idx, self.window_size
             )
-        key_padding_mask = None if padding_mask is None else padding_mask[:, key_index]
+        key_padding_mask = None if padding_mask is None else padding_mask[:, key_start : key_start + key.shape[2]]
         out, probs = dcmha_attention(
             query,
             key,
             value,
             query_terms,
             key_terms,
-            query_index,
-            key_index,
+            query_start,
+            key_start,
             key_padding_mask,
             self.window_size,
             rank=self.config.dynamic_rank,
@@ -387,7 +387,7 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        query_index: torch.Tensor,
+        query_start: int = 0,
         padding_mask: torch.Tensor | None = None,
         past_key_values: "DCFormerCache | None" = None,
         output_attentions: bool = False,
@@ -395,7 +395,7 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
         attn_output, probs = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
-            query_index=query_index,
+            query_start=query_start,
             padding_mask=padding_mask,
             past_key_values=past_key_values,
             output_attentions=output_attentions,
@@ -500,12 +500,11 @@ class DCFormerCache(Cache):
 
     def update_dcmha(self, key, value, key_terms, layer_idx: int, window_size: int | None):
         """Append this step's keys, values and key composition terms; returns what the step attends to:
-        (keys, values, key_terms, key_index) with key_index the absolute token index of each key."""
+        (keys, values, key_terms, key_start) with key_start the absolute token index of the first key."""
         layer = self.layers[layer_idx]
         keys, values, terms = layer.update_dcmha(key, value, key_terms)
         total = layer.cumulative_length
-        key_index = torch.arange(total - keys.shape[-2], total, device=keys.device)
-        return keys, values, terms, key_index
+        return keys, values, terms, total - keys.shape[-2]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length() if self.layers else 0
@@ -659,7 +658,6 @@ class DCFormerModel(DCFormerPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DCFormerCache(self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        query_index = torch.arange(past_length, past_length + T, device=device)
 
         padding_mask = None
         if attention_mask is not None:
@@ -680,7 +678,7 @@ class DCFormerModel(DCFormerPreTrainedModel):
             if attention_mask is not None:
                 position_ids = positions_from_padding(attention_mask.to(device), past_length, T)
             else:
-                position_ids = query_index.unsqueeze(0).expand(B, T)
+                position_ids = torch.arange(past_length, past_length + T, device=device).unsqueeze(0).expand(B, T)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -692,7 +690,7 @@ class DCFormerModel(DCFormerPreTrainedModel):
             hidden_states, probs = layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
-                query_index=query_index,
+                query_start=past_length,
                 padding_mask=padding_mask,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,

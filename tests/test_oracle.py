@@ -122,7 +122,7 @@ def call_attention(model, layer_idx: int, x: torch.Tensor):
     B, T, _ = x.shape
     position_embeddings = model.model.rotary_emb(x, torch.arange(T).unsqueeze(0).expand(B, T))
     out, _ = model.model.layers[layer_idx].self_attn(
-        x, position_embeddings=position_embeddings, query_index=torch.arange(T)
+        x, position_embeddings=position_embeddings, query_start=0
     )
     return out
 
@@ -291,7 +291,7 @@ def test_attention_probabilities_match_oracle():
         pe = model.model.rotary_emb(x, torch.arange(T).unsqueeze(0).expand(B, T))
         with torch.no_grad():
             out, probs = model.model.layers[idx].self_attn(
-                x, position_embeddings=pe, query_index=torch.arange(T), output_attentions=True
+                x, position_embeddings=pe, query_start=0, output_attentions=True
             )
         params = as_double(model.model.layers[idx].self_attn.state_dict())
         window = layer_window(config, idx)
