@@ -11,9 +11,12 @@ Measurements (each ratio is DCFormer / baseline):
     fwd+bwd     training step without optimizer: train mode, loss on `--seq-len` tokens, backward -> seconds
     decode      greedy `generate` with use_cache: `--decode-prompt` prompt tokens, exactly `--decode-new` new
                 tokens (EOS disabled) -> new tokens per second, prompt processing included
-    peak memory the process's peak resident memory during each measurement, above its resident memory
-                after the model was built (Linux: VmHWM reset through /proc/self/clear_refs; elsewhere a
-                sampling thread) -> MiB
+    peak memory the process's peak resident memory during one run, above its resident memory after the
+                model was built (Linux: VmHWM reset through /proc/self/clear_refs; elsewhere a sampling
+                thread), with glibc's mmap threshold pinned at 128 KiB so that freed tensors go back to the
+                system and the peak follows live tensors, not heap retention (`--malloc default` to measure
+                with glibc as it is) -> MiB
+Threads: 1 by default (`--threads N` for more), for ratios that hold on a shared or loaded machine.
 Every measurement runs in a fresh process forked from this one (the imports are paid once; no allocator
 state leaks from one measurement into the next). Time: per phase, one process holds both models, warms each
 up once, then runs them `--repeats` times interleaved (A B B A ...) so that both see the same machine load;
@@ -24,7 +27,10 @@ the median is reported. Memory: one run per model and phase, each in its own pro
     python benchmarks/bench_model.py --shape pythia-70m --seq-len 512 --window 256
     python benchmarks/bench_model.py --profile            # also: top DCFormer prefill ops (torch.profiler)
 
-`run_benchmark(argv)` returns the results as a dict (used by examples/demo.py).
+`--json FILE` writes the results (examples/demo.py reads the ratios from it); `run_benchmark(argv)` returns them.
+Call `run_benchmark` from a process that has not run torch ops yet (it forks; OpenMP is not fork-safe once
+its threads exist), or run this script as a subprocess. The timing process holds both models at once: a
+shape needs about twice its weights in memory.
 """
 
 from __future__ import annotations
@@ -86,12 +92,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-new", type=int, default=None, help=f"new tokens for decode (default {DEFAULTS['decode_new']})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed runs after one warm-up (default {DEFAULTS['repeats']})")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's default; 1 with --quick)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads. 1 by default: the ratios are then stable even on a shared or loaded "
+                        "machine (with 2 threads and other work on the cores, each of DCFormer's many small ops can "
+                        "wait a scheduler slice at OpenMP barriers); use --threads N for N cores")
     p.add_argument("--window", type=int, default=None,
                    help="make DCFormer layers local with this window (pattern from --window-type); 0: every layer "
                         "global. Default: the preset's own setting")
     p.add_argument("--window-type", default=None, help="window pattern with --window (None: 'LG', even layers local)")
     p.add_argument("--qk-norm", choices=("on", "off"), default=None, help="override the preset's qk-norm")
+    p.add_argument("--malloc", choices=("pinned", "default"), default="pinned",
+                   help="memory runs: 'pinned' fixes glibc's mmap threshold at 128 KiB so that the RSS peak follows "
+                        "live tensors; 'default' leaves glibc as it is (its heap then retains freed blocks of up to 32 MiB)")
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
     p.add_argument("--quick", action="store_true", help="tiny model and short inputs: a smoke test")
     p.add_argument("--profile", action="store_true", help="also profile one DCFormer prefill and print its top ops")
@@ -101,8 +113,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in base.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.threads is None:  # a tiny model gains nothing from threads, and they hurt on a loaded machine
-        args.threads = 1 if args.quick else torch.get_num_threads()
     args.phases = [ph.strip() for ph in args.phases.split(",") if ph.strip()]
     unknown = set(args.phases) - set(PHASES)
     if unknown:
@@ -298,15 +308,33 @@ def measure_time(phase: str, dc_cfg: DCFormerConfig, opts: dict) -> dict:
                        torch_threads=torch.get_num_threads()) for kind in times}
 
 
+def pin_malloc_mmap_threshold(threshold: int = 128 * 1024) -> bool:
+    """glibc only: serve every allocation above `threshold` bytes with its own mmap, returned to the system
+    when freed. By default glibc raises that threshold up to 32 MiB as big blocks are freed, then keeps freed
+    tensors of up to 32 MiB in its heap, so the RSS of a process that churns through many such tensors (DCMHA's
+    [heads, chunk, keys] score tensors) records the allocator's retention rather than the live tensors."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes  # noqa: PLC0415
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(libc.mallopt(m_trim_threshold, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
 def measure_memory(kind: str, phase: str, dc_cfg: DCFormerConfig, opts: dict) -> dict:
     """Peak resident memory of one run of `phase`, above the resident memory after the model was built."""
+    pinned = pin_malloc_mmap_threshold() if opts.get("malloc") == "pinned" else False
     torch.set_num_threads(opts["threads"])
     model = build_model(kind, dc_cfg, DTYPES[opts["dtype"]])
     step = make_step(model, phase, dc_cfg, opts)
     gc.collect()
     tracker = PeakRSS().start()
     step()
-    return dict(peak_bytes=tracker.stop(), memory_method=tracker.method)
+    return dict(peak_bytes=tracker.stop(), memory_method=tracker.method + (", glibc mmap threshold 128 KiB" if pinned else ""))
 
 
 def _child(conn, fn, args):
@@ -383,7 +411,8 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     dc_cfg = dcformer_config(args)
     base_name, _ = baseline_config(dc_cfg)
     opts = dict(threads=args.threads, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
-                decode_prompt=args.decode_prompt, decode_new=args.decode_new, repeats=args.repeats)
+                decode_prompt=args.decode_prompt, decode_new=args.decode_new, repeats=args.repeats,
+                malloc=args.malloc)
     argv_list = sys.argv[1:] if argv is None else list(argv)
     command = " ".join(["python", "benchmarks/bench_model.py", *map(shlex.quote, argv_list)])
     load_before = load_average()
@@ -408,7 +437,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
 
     first = timing[args.phases[0]]
     rows = [("parameters (M)", first["baseline"]["params"] / 1e6, first["dcformer"]["params"] / 1e6, "{:.1f}"),
-            ("weights (MiB)", first["baseline"]["weight_bytes"] / MIB, first["dcformer"]["weight_bytes"] / MIB, "{:.0f}")]
+            ("weights (MiB)", first["baseline"]["weight_bytes"] / MIB, first["dcformer"]["weight_bytes"] / MIB, "{:.1f}")]
     bxt = f"{args.batch_size}x{args.seq_len}"
     for phase in args.phases:
         b, d = timing[phase]["baseline"]["median"], timing[phase]["dcformer"]["median"]
@@ -428,7 +457,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     say(f"## DCFormer vs {base_name}: `{command}`")
     say()
     say(f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}, "
-        f"{platform.machine()} CPU, {os.cpu_count()} cores visible, {args.threads} torch threads, {args.dtype}")
+        f"{platform.machine()} CPU, {os.cpu_count()} cores visible, {args.threads} torch thread{'s' if args.threads > 1 else ''}, {args.dtype}")
     say(f"- shape `{args.shape}`: {describe(dc_cfg)}")
     say(f"- {base_name}: same shape, `attn_implementation=\"sdpa\"`; DCFormer: its own DCMHA attention "
         f"(query chunks of {dc_cfg.attention_chunk_size})")
