@@ -1,8 +1,12 @@
 """Re-save an authors' released DCFormer checkpoint (Caiyun-AI/DCPythia-6.9B, Caiyun-AI/DCFormer-2.8B, or a
 local directory in that layout) in this project's native layout: our config, safetensors shards, the
-tokenizer files, dtype kept.
+tokenizer files, dtype kept, the remote code (so that it loads with `trust_remote_code=True` where this package is
+not installed) and a model card (base_model: the source when it is a Hub id).
 
     python conversion/caiyun_to_hf.py Caiyun-AI/DCPythia-6.9B ./dcpythia-6.9b-hf
+    python conversion/caiyun_to_hf.py Caiyun-AI/DCPythia-6.9B ./dcpythia-6.9b-hf --push-to-hub me/DCPythia-6.9B-hf
+
+(`--license ID` puts the release's license, as its own model card states it, in the card's metadata.)
 
 It streams: one source shard and one output shard are in memory at a time, so a 14 GB checkpoint converts
 within a few GB. The destination appears only once complete (written beside it, then renamed).
@@ -22,17 +26,21 @@ from transformers.utils import logging
 
 from conversion.common import (
     ShardWriter,
+    add_hub_arguments,
     atomic_output_dir,
     copy_tokenizer_files,
     expected_shapes,
     iter_shard,
     parse_dtype,
     parse_size,
+    push_output,
     read_config,
     resolve_source,
     weight_files,
+    write_shareable,
 )
 from modeling_dcformer import DCFormerConfig
+from modeling_dcformer.hub import check_repo_id
 from modeling_dcformer.released_format import SPLIT_QKV, is_released_config, native_key, query_wise_slots
 
 logger = logging.get_logger("dcformer.caiyun_to_hf")
@@ -59,7 +67,15 @@ def convert(
     max_shard_size: str | int = "5GB",
     dtype: str | None = None,
     revision: str | None = None,
+    push_to_hub: str | None = None,
+    private: bool = False,
+    token: str | None = None,
+    license: str | None = None,
 ) -> Path:
+    """Convert `src` into our layout at `dst` (with the remote code and a model card, `license` in its metadata);
+    `push_to_hub` (a repository id) uploads `dst` once complete (`private`, `token`)."""
+    if push_to_hub is not None:
+        check_repo_id(push_to_hub)
     src_dir = resolve_source(src, revision)
     raw_config = read_config(src_dir)
     if not is_released_config(raw_config):
@@ -68,6 +84,8 @@ def convert(
             "a checkpoint already in our layout loads with from_pretrained as it is"
         )
     config = DCFormerConfig.from_dict(raw_config)
+    config.converted_from = src if not Path(src).is_dir() else str(Path(src).resolve())
+    config.converted_from_revision = revision
     shapes = expected_shapes(config)
     target_dtype = parse_dtype(dtype)
     files = weight_files(src_dir)
@@ -127,7 +145,10 @@ def convert(
         config.save_pretrained(tmp)
         copied = copy_tokenizer_files(src_dir, tmp)
         logger.info(f"copied tokenizer files: {copied}")
+        write_shareable(tmp, config, dst_path.name, repo_id=push_to_hub, license=license)
     print(f"Converted {src} -> {dst_path} ({len(written)} tensors, {len(files)} source file(s))")
+    if push_to_hub is not None:
+        push_output(dst_path, push_to_hub, private, token, message=f"Re-save {src} in the native DCFormer layout")
     return dst_path
 
 
@@ -139,9 +160,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     parser.add_argument("--dtype", default=None, help="cast to float32/float16/bfloat16 (default: keep)")
     parser.add_argument("--revision", default=None, help="Hub revision of SRC")
+    add_hub_arguments(parser, default_license=None)  # the release's own: pass it (see the source's model card)
     args = parser.parse_args(argv)
     try:
-        convert(args.src, args.dst, args.overwrite, args.max_shard_size, args.dtype, args.revision)
+        convert(
+            args.src,
+            args.dst,
+            args.overwrite,
+            args.max_shard_size,
+            args.dtype,
+            args.revision,
+            push_to_hub=args.push_to_hub,
+            private=args.private,
+            token=args.token,
+            license=args.license,
+        )
     except Exception as err:  # a clear one-line error (bad input, corrupt shard) rather than a traceback
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2

@@ -198,3 +198,39 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     if name not in dtypes:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(dtypes)}")
     return dtypes[name]
+
+
+def add_hub_arguments(parser, default_license: str | None) -> None:
+    """`--push-to-hub REPO`, `--private`, `--token`, `--license` (the converters' Hub options)."""
+    hub = parser.add_argument_group("sharing on the Hub")
+    hub.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        default=None,
+        help="upload the finished output directory to this Hub model repository ('name' or 'namespace/name'; "
+        "created if needed); the output carries the remote code and a model card either way",
+    )
+    hub.add_argument("--private", action="store_true", help="create the repository private")
+    hub.add_argument("--token", default=None, help="Hub token (default: the saved login or $HF_TOKEN)")
+    hub.add_argument(
+        "--license",
+        default=default_license,
+        help=f"license in the model card's metadata (default: {default_license or 'none written'})",
+    )
+
+
+def write_shareable(directory: Path, config, name: str, repo_id: str | None = None, **card_kwargs) -> None:
+    """Make a converted directory (holding its config.json) loadable without this package and describe it: the
+    remote code with `auto_map`, and the model card (`card_kwargs`: `license`, `base_model`, ...)."""
+    from modeling_dcformer.hub import write_model_card, write_remote_code
+
+    write_remote_code(directory)
+    write_model_card(directory, config, model_name=(repo_id or name).split("/")[-1], repo_id=repo_id, **card_kwargs)
+
+
+def push_output(directory: Path, repo_id: str, private: bool = False, token: str | None = None, message: str = ""):
+    """Upload a finished output directory (only once it is complete: a failed upload leaves it in place)."""
+    from modeling_dcformer.hub import push_folder
+
+    info = push_folder(directory, repo_id, private=private or None, token=token, commit_message=message or None)
+    print(f"Pushed {directory} -> {getattr(info, 'commit_url', None) or repo_id}")

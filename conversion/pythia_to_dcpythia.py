@@ -14,7 +14,11 @@ released architecture instead, which changes the function (a warning says so and
 It streams: one source tensor and one output shard are in memory at a time, so Pythia-12B converts on a
 24 GB machine. `--verify` (default: on up to 1.1B parameters, i.e. Pythia-1B and smaller) loads both models
 in fp32, runs a few sentences and fails when the logits differ by more than --tolerance (1e-4). The
-destination appears only once complete and verified (written beside it, then renamed).
+destination appears only once complete and verified (written beside it, then renamed). It carries the remote code
+and a model card (base_model: the source when it is a Hub id), so it loads with `trust_remote_code=True` where this
+package is not installed; `--push-to-hub REPO` then uploads it:
+
+    python conversion/pythia_to_dcpythia.py EleutherAI/pythia-410m ./dcpythia-410m --push-to-hub me/dcpythia-410m
 """
 
 import argparse
@@ -34,17 +38,21 @@ from transformers.utils import logging
 
 from conversion.common import (
     ShardWriter,
+    add_hub_arguments,
     atomic_output_dir,
     copy_tokenizer_files,
     expected_shapes,
     iter_shard,
     parse_dtype,
     parse_size,
+    push_output,
     read_config,
     resolve_source,
     weight_files,
+    write_shareable,
 )
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.hub import check_repo_id
 from modeling_dcformer.modeling_dcformer import DynamicWeightProjection
 
 logger = logging.get_logger("dcformer.pythia_to_dcpythia")
@@ -372,10 +380,17 @@ def convert(
     window_type: str | None = None,
     verify: bool | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
+    push_to_hub: str | None = None,
+    private: bool = False,
+    token: str | None = None,
+    license: str | None = "apache-2.0",
 ) -> Path:
     """Convert `src` (local directory or Hub id of a GPT-NeoX causal LM) into a DCPythia checkpoint at `dst`.
     `verify=None` verifies checkpoints up to `VERIFY_DEFAULT_MAX_PARAMS` parameters. Raises ValueError (or
-    OSError) with a readable message on any problem; `dst` is then left untouched."""
+    OSError) with a readable message on any problem; `dst` is then left untouched. `dst` also gets the remote code
+    and a model card (`license`); `push_to_hub` (a repository id) uploads it once complete (`private`, `token`)."""
+    if push_to_hub is not None:
+        check_repo_id(push_to_hub)
     if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
         raise ValueError(f"--init-scale must be a positive number, got {init_scale!r}")
     exact = not qk_norm and window_size is None
@@ -498,7 +513,10 @@ def convert(
                 )
         elif not exact:
             print("warning: the logit difference was not measured (verification off); pass --verify", file=sys.stderr)
+        write_shareable(tmp, config, dst_path.name, repo_id=push_to_hub, license=license)
     print(f"Converted {src} -> {dst_path} ({len(written)} tensors, {num_params / 1e6:.1f}M source parameters)")
+    if push_to_hub is not None:
+        push_output(dst_path, push_to_hub, private, token, message=f"Convert {src} to DCPythia")
     return dst_path
 
 
@@ -531,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     released.add_argument("--qk-norm", action="store_true", help="add qk-norm (scales start at 1)")
     released.add_argument("--window-size", type=int, default=None, help="local attention window (e.g. 256)")
     released.add_argument("--window-type", default=None, help="local/global pattern: LG (default), LGLL, LGL6, ...")
+    add_hub_arguments(parser, default_license="apache-2.0")  # Pythia's license
     args = parser.parse_args(argv)
     try:
         convert(
@@ -547,6 +566,10 @@ def main(argv: list[str] | None = None) -> int:
             window_type=args.window_type,
             verify=args.verify,
             tolerance=args.tolerance,
+            push_to_hub=args.push_to_hub,
+            private=args.private,
+            token=args.token,
+            license=args.license,
         )
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

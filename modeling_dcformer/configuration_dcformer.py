@@ -14,6 +14,7 @@ from .released_format import is_released_config, translate_released_config
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+DCMHA_IMPLEMENTATIONS = ("auto", "eager", "compiled")
 
 
 def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[bool]:
@@ -66,6 +67,12 @@ class DCFormerConfig(PreTrainedConfig):
             memory to (heads x chunk x visible keys).
         attention_recompute (`bool`, defaults to `True`): in training, recompute each chunk's attention in the
             backward pass instead of keeping its (heads x chunk x keys) intermediates.
+        dcmha_implementation (`str`, defaults to `"auto"`): how a chunk of attention is computed; every choice gives
+            the same numbers (to float rounding). `"eager"`: PyTorch ops, one at a time. `"compiled"`: the chunk
+            (scores, both Compose steps, mask, softmax, output) through `torch.compile`, which fuses the per-element
+            composition into one pass over the scores; the first call of each kind compiles (seconds).
+            `"auto"`: `"compiled"` for chunks big enough to pay for it (prefill and training at real sizes) on a
+            device torch.compile can generate code for (CPU with a C++ compiler, CUDA with Triton), else `"eager"`.
     """
 
     model_type = "dcformer"
@@ -111,6 +118,7 @@ class DCFormerConfig(PreTrainedConfig):
     dynamic_hidden_size: int | None = None
     attention_chunk_size: int = 512
     attention_recompute: bool = True
+    dcmha_implementation: str = "auto"
 
     def __post_init__(self, **kwargs):
         # Pythia's name for the rotary fraction is accepted on the way in.
@@ -171,6 +179,10 @@ class DCFormerConfig(PreTrainedConfig):
                     f"({self.max_position_embeddings}): a local layer would be global; use window_size=None"
                 )
         parse_window_type(self.window_type, 1)  # validates the pattern even when no layer is local
+        if self.dcmha_implementation not in DCMHA_IMPLEMENTATIONS:
+            raise ValueError(
+                f"dcmha_implementation must be one of {DCMHA_IMPLEMENTATIONS}, got {self.dcmha_implementation!r}"
+            )
 
     def _check_dcmha(self):
         if len(self.layer_types) != self.num_hidden_layers:

@@ -11,7 +11,10 @@ Layout of one attention layer (`DCFormerAttention`):
     o_proj              output projection
 """
 
+import importlib.util
 import math
+import os
+import shutil
 from collections.abc import Callable
 
 import torch
@@ -195,6 +198,28 @@ def compose(
     return out
 
 
+def compose_pointwise(
+    scores: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    rank: int,
+) -> torch.Tensor:
+    """`compose` written as broadcast products and sums over heads, for torch.compile: it fuses all of it into
+    one pass over the scores, each (t, s) reading its N scores once. Same arguments, same result. Eager
+    PyTorch would build [B, G, I, M, T, S] temporaries here: use `compose` there."""
+    I = rank
+    qt = query_terms.permute(0, 2, 3, 4, 1)  # [B, G, 2I+1, M, T]
+    qw1, qw2, qdd = qt[:, :, :I], qt[:, :, I : 2 * I], qt[:, :, 2 * I]
+    hidden = (scores.unsqueeze(2) * qw1.unsqueeze(-1)).sum(3)  # [B, G, I, T, S]
+    out = scores * (1 + qdd.unsqueeze(-1)) + (qw2.unsqueeze(-1) * hidden.unsqueeze(3)).sum(2)
+    if key_terms is not None:
+        kt = key_terms.permute(0, 2, 3, 4, 1)  # [B, G, 2I+1, M, S]
+        kw1, kw2, kdd = kt[:, :, :I], kt[:, :, I : 2 * I], kt[:, :, 2 * I]
+        hidden = (scores.unsqueeze(2) * kw1.unsqueeze(-2)).sum(3)
+        out = out + scores * kdd.unsqueeze(-2) + (kw2.unsqueeze(-2) * hidden.unsqueeze(3)).sum(2)
+    return out
+
+
 def attend_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -204,19 +229,24 @@ def attend_chunk(
     allowed: torch.Tensor,
     rank: int,
     num_groups: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    pointwise: bool = False,
+    need_probs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """DCMHA for one chunk of queries against the keys it can see.
 
     q: [B, N, c, Dh]; k, v: [B, N, s, Dh]; query_terms: [B, c, G, Cq, 2I+1, M] (pre-query, post-query slots)
     or None; key_terms: [B, s, G, Ck, 2I+1, M] (pre-key, post-key) or None; allowed: bool, broadcastable to
-    [B, N, c, s]. Returns the output [B, c, N, Dh] and the composed probabilities [B, N, c, s] (fp32).
+    [B, N, c, s]. `pointwise` composes with `compose_pointwise` (for torch.compile) instead of `compose`.
+    Returns the output [B, c, N, Dh] and the composed probabilities [B, N, c, s] (fp32; None unless
+    `need_probs`).
     """
     B, N, c, Dh = q.shape
     s = k.shape[2]
     G, M = num_groups, N // num_groups
+    compose_fn = compose_pointwise if pointwise else compose
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * Dh**-0.5  # [B, N, c, s]
     if query_terms is not None:
-        scores = compose(
+        scores = compose_fn(
             scores.view(B, G, M, c, s),
             query_terms[:, :, :, 0],
             key_terms[:, :, :, 0] if key_terms is not None else None,
@@ -225,7 +255,7 @@ def attend_chunk(
     scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1)
     if query_terms is not None:
-        probs = compose(
+        probs = compose_fn(
             probs.view(B, G, M, c, s),
             query_terms[:, :, :, 1],
             key_terms[:, :, :, 1] if key_terms is not None else None,
@@ -233,7 +263,49 @@ def attend_chunk(
         ).view(B, N, c, s)
         probs = probs.masked_fill(~allowed, 0.0)  # rows with no visible key (padding) stay finite
     out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
-    return out, probs
+    return out, (probs if need_probs else None)
+
+
+# "auto" compiles a chunk when its score tensor has at least this many elements (heads x queries x keys):
+# below it, eager ops are as fast and no compilation is paid.
+AUTO_COMPILE_MIN_SCORES = 1 << 20
+_compiled_attend_chunk = None
+_compile_failed = False
+
+
+def compile_supported(device: torch.device) -> bool:
+    """Whether torch.compile's default backend can generate code for `device` here."""
+    if device.type == "cpu":
+        return any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
+    if device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    return False
+
+
+def compiled_attend_chunk(q, k, v, query_terms, key_terms, allowed, *args, **kwargs):
+    """`attend_chunk` with pointwise Compose, through torch.compile. The chunk and key lengths are marked
+    dynamic (one compilation serves every chunk); heads, head size and ranks stay static so that the generated
+    loops over them are unrolled and vectorised."""
+    global _compiled_attend_chunk
+    if _compiled_attend_chunk is None:
+        _compiled_attend_chunk = torch.compile(attend_chunk)
+    q, k, v, query_terms, allowed = q.contiguous(), k.contiguous(), v.contiguous(), query_terms.contiguous(), allowed.contiguous()
+    for tensor, dim in ((q, 2), (k, 2), (v, 2), (query_terms, 1), (allowed, -2), (allowed, -1)):
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    if key_terms is not None:
+        key_terms = key_terms.contiguous()
+        torch._dynamo.maybe_mark_dynamic(key_terms, 1)
+    return _compiled_attend_chunk(q, k, v, query_terms, key_terms, allowed, *args, pointwise=True, **kwargs)
+
+
+def resolve_dcmha_implementation(implementation: str, device: torch.device, num_scores: int) -> str:
+    """The implementation a chunk of `num_scores` (heads x queries x keys) scores runs with."""
+    if torch.compiler.is_compiling():
+        return "pointwise"  # already inside torch.compile: the enclosing graph fuses the pointwise form
+    if implementation == "auto":
+        big = num_scores >= AUTO_COMPILE_MIN_SCORES
+        implementation = "compiled" if big and not _compile_failed and compile_supported(device) else "eager"
+    return implementation
 
 
 def dcmha_attention(
@@ -251,6 +323,7 @@ def dcmha_attention(
     chunk_size: int,
     output_attentions: bool = False,
     recompute: bool = False,
+    implementation: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal (optionally windowed) DCMHA over query chunks.
 
@@ -265,6 +338,8 @@ def dcmha_attention(
     chunk's largest tensors are [B, N, chunk, visible keys]: O(T * window) on a local layer. With
     `recompute`, a chunk's intermediates are not kept for the backward pass but recomputed there, so
     training memory holds one chunk's [B, N, chunk, keys] tensors at a time.
+    `implementation`: "eager", "compiled" or "auto" (see `DCFormerConfig.dcmha_implementation`), chosen per
+    chunk by `resolve_dcmha_implementation`.
     Returns the attention output [B, T, N, Dh] and, if asked, the composed probabilities [B, N, T, S].
     """
     B, N, T, Dh = query.shape
@@ -294,10 +369,16 @@ def dcmha_attention(
             rank,
             num_groups,
         )
+        chunk_fn, kwargs = attend_chunk, dict(need_probs=output_attentions)
+        impl = resolve_dcmha_implementation(implementation, query.device, N * (t1 - t0) * (s1 - s0))
+        if impl == "pointwise":
+            kwargs["pointwise"] = True
+        elif impl == "compiled" and query_terms is not None:
+            chunk_fn = compiled_attend_chunk
         if recompute and not output_attentions:
-            out, probs = torch.utils.checkpoint.checkpoint(attend_chunk, *args, use_reentrant=False)
+            out, probs = torch.utils.checkpoint.checkpoint(chunk_fn, *args, use_reentrant=False, **kwargs)
         else:
-            out, probs = attend_chunk(*args)
+            out, probs = chunk_fn(*args, **kwargs)
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = probs
         outputs.append(out)
@@ -370,6 +451,7 @@ class DCFormerAttention(nn.Module):
             chunk_size=self.config.attention_chunk_size,
             output_attentions=output_attentions,
             recompute=self.config.attention_recompute and self.training and torch.is_grad_enabled(),
+            implementation=self.config.dcmha_implementation,
         )
         return self.o_proj(out.reshape(B, T, D)), probs
 
@@ -551,10 +633,39 @@ class DCFormerPreTrainedModel(PreTrainedModel):
             raise ValueError(f"checkpoint {source!r} lacks tensors the model needs: {sorted(info['missing_keys'])}")
         return (model, info) if want_info else model
 
-    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+    def save_pretrained(
+        self,
+        save_directory,
+        *args,
+        save_original_format: bool = False,
+        remote_code: bool = True,
+        model_card: bool | dict = True,
+        **kwargs,
+    ):
         """Always saves our native layout (transformers would otherwise revert the load-time renaming of the
-        released layout)."""
-        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+        released layout). The directory is ready to share (see `hub.py`): it also gets the remote code with an
+        `auto_map` in config.json, so it loads with `trust_remote_code=True` where this package is not installed
+        (`remote_code=False`: not), and a model card README.md (`model_card`: True, False, or a dict of
+        `hub.write_model_card` options such as `license`, `base_model`, `eval_results`; a README.md this package
+        did not generate is kept). `push_to_hub=True` (with `repo_id`, `private`, `token`, `commit_message`,
+        `create_pr`) uploads the directory afterwards."""
+        from .hub import finish_save
+
+        hub_keys = ("push_to_hub", "repo_id", "private", "token", "commit_message", "commit_description", "create_pr")
+        hub_kwargs = {key: kwargs.pop(key) for key in hub_keys if key in kwargs}
+        super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+        if self.should_save_on_this_rank(args[0] if args else kwargs.get("is_main_process", True)):
+            finish_save(self, save_directory, remote_code=remote_code, model_card=model_card, **hub_kwargs)
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Upload the model to the Hub repository `repo_id` in one commit: weights, config, the remote code and a
+        model card. Takes transformers' options (`commit_message`, `commit_description`, `private`, `token`,
+        `revision`, `create_pr`, `max_shard_size`, `tags`) and `license` (default "apache-2.0"), `base_model`,
+        `eval_results` (lm-eval results: a dict or a results JSON file), `remote_code`, `overwrite_model_card`
+        (a README.md on the Hub that this package did not generate is kept unless True). Returns the `CommitInfo`."""
+        from .hub import push_model
+
+        return push_model(self, repo_id, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)

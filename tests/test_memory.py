@@ -74,9 +74,9 @@ def test_local_layer_never_builds_a_full_sequence_tensor(window, monkeypatch):
     widths = []
     real = mdc.attend_chunk
 
-    def spy(q, k, v, qt, kt, allowed, rank, groups):
+    def spy(q, k, v, qt, kt, allowed, rank, groups, **kwargs):
         widths.append((k.shape[2], allowed.shape[-1]))
-        return real(q, k, v, qt, kt, allowed, rank, groups)
+        return real(q, k, v, qt, kt, allowed, rank, groups, **kwargs)
 
     monkeypatch.setattr(mdc, "attend_chunk", spy)
     model = make_model(window_size=window, window_type="L", attention_chunk_size=chunk).eval()

@@ -27,7 +27,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes: nothing below needs trust_remote_code)
 from conversion import caiyun_to_hf
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub
 from oracle import gelu_exact, layer_norm, oracle_compose, oracle_dynamic_weights, rms_norm, silu, softmax_last
 from released_checkpoint import (
     RANK,
@@ -567,15 +567,17 @@ def test_converted_directory_is_native_and_identical(tmp_path, capsys, model_typ
     dst = tmp_path / "out" / "converted"
     rc, log = run_cli(capsys, src, dst)
     assert rc == 0, log
-    # our layout: safetensors, our config, tokenizer copied, nothing else
+    # our layout: safetensors, our config, tokenizer copied, our remote code and model card, nothing else
     tokenizer_files = {p.name for p in src.iterdir() if p.name.startswith(("tokenizer", "special_tokens"))}
     assert tokenizer_files >= set(TOKENIZER_FILES)
     names = {p.name for p in dst.iterdir()}
-    assert names == {"config.json", "model.safetensors", *tokenizer_files}, names
+    remote_code = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "hub.py"}
+    assert names == {"config.json", "model.safetensors", "README.md", *remote_code, *tokenizer_files}, names
     saved_cfg = json.loads((dst / "config.json").read_text())
     assert saved_cfg["model_type"] == "dcformer" and saved_cfg["hidden_size"] == cfg["dim"]
     assert saved_cfg["architectures"] == ["DCFormerForCausalLM"]
-    for key in ("dim", "n_layer", "n_head", "auto_map", "is_training"):
+    assert saved_cfg["auto_map"] == hub.AUTO_MAP  # ours, not the release's (which pointed at the authors' code)
+    for key in ("dim", "n_layer", "n_head", "is_training"):
         assert key not in saved_cfg, key
     assert saved_cfg["custom_extra_key"] == cfg["custom_extra_key"]
     for name in tokenizer_files:

@@ -1,0 +1,189 @@
+"""The DCMHA implementations (`DCFormerConfig.dcmha_implementation`): each one against the oracle.
+
+- `compose_pointwise` (the form torch.compile fuses) against `oracle_compose`, in eager mode: every option.
+- the "compiled" dispatch (dynamic chunk/key lengths, padding, windows, caches, recompute in the backward
+  pass) through torch.compile with the cheap `aot_eager` backend: every option, forward and backward;
+- one whole model through Inductor itself (the generated C++ kernels), forward and backward;
+- the "auto" rule: eager below the size threshold or where Inductor cannot generate code.
+"""
+
+import os
+
+import pytest
+import torch
+
+import modeling_dcformer.modeling_dcformer as mdl
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from oracle import oracle_causal_lm, oracle_compose
+from test_oracle import VOCAB, as_double, assert_close, build_model, make_config
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def aot_eager_compile(monkeypatch):
+    """The "compiled" implementation through torch.compile's `aot_eager` backend: the same tracing, dynamic
+    shapes and autograd as with Inductor, without generating C++ (seconds instead of a minute)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(mdl, "_compiled_attend_chunk", torch.compile(mdl.attend_chunk, backend="aot_eager"))
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("key_wise", [True, False])
+def test_compose_pointwise_matches_oracle(key_wise, groups):
+    B, N, T, S, I = 2, 4, 5, 7, 2
+    M = N // groups
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(B, N, T, S, generator=gen, dtype=torch.float64)
+    qt = torch.randn(B, T, groups, 2 * I + 1, M, generator=gen, dtype=torch.float64)
+    kt = torch.randn(B, S, groups, 2 * I + 1, M, generator=gen, dtype=torch.float64) if key_wise else None
+    out = mdl.compose_pointwise(A.view(B, groups, M, T, S), qt, kt, I).view(B, N, T, S)
+    key_args = (kt[..., :I, :], kt[..., I : 2 * I, :], kt[..., 2 * I, :]) if key_wise else ()
+    ref = oracle_compose(A, qt[..., :I, :], qt[..., I : 2 * I, :], qt[..., 2 * I, :], *key_args)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    # and the eager `compose` gives the same numbers
+    torch.testing.assert_close(mdl.compose(A.view(B, groups, M, T, S), qt, kt, I).view(B, N, T, S), ref)
+
+
+def padded_batch():
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, VOCAB, (2, 13), generator=gen)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    mask[1, -3:] = 0  # right padding
+    return input_ids, mask
+
+
+def loss_and_grads(model, input_ids, mask):
+    model.zero_grad()
+    out = model(input_ids, attention_mask=mask, use_cache=False)
+    weights = torch.linspace(-1, 1, out.logits.numel()).view_as(out.logits)
+    loss = (out.logits * weights * mask[..., None]).mean()  # a mean, as in test_oracle's backward tests
+    loss.backward()
+    return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(query_wise=False, num_head_groups=1, dynamic_rank=2, attention_chunk_size=4),
+        dict(query_wise=True, num_head_groups=2, dynamic_rank=1, attention_chunk_size=512),
+        dict(query_wise=False, num_head_groups=2, dynamic_rank=2, attention_chunk_size=5, train=True),
+    ],
+    ids=["chunk4", "querywise-groups2", "train-recompute"],
+)
+def test_compiled_dispatch_matches_eager_and_oracle(options, aot_eager_compile):
+    options = dict(options)
+    train = options.pop("train", False)
+    config = make_config(use_qk_norm=True, window_size=4, dcmha_implementation="eager", **options)
+    model = build_model(config).train(train)
+    input_ids, mask = padded_batch()
+    eager_logits, eager_grads = loss_and_grads(model, input_ids, mask)
+    model.config.dcmha_implementation = "compiled"
+    logits, grads = loss_and_grads(model, input_ids, mask)
+    real = mask.bool()
+    assert_close(logits[real], eager_logits[real])
+    for name, grad in grads.items():
+        assert_close(grad, eager_grads[name])
+    # the oracle, one row at a time without padding
+    state = as_double(model.state_dict())
+    for row in range(2):
+        ids = input_ids[row, real[row]][None]
+        assert_close(logits[row, real[row]], oracle_causal_lm(state, config, ids)[0])
+
+
+def test_compiled_dispatch_decodes_like_full_forward(aot_eager_compile):
+    config = make_config(use_qk_norm=True, window_size=4, attention_chunk_size=3, dcmha_implementation="compiled")
+    model = build_model(config)
+    input_ids, _ = padded_batch()
+    with torch.no_grad():
+        full = model(input_ids, use_cache=False).logits
+        out = model(input_ids[:, :6], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits]
+        for t in range(6, 13):
+            out = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits)
+    assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(
+    os.environ.get("DCFORMER_TEST_INDUCTOR") != "1",
+    reason="inductor builds C++ kernels with gcc (1-3 min here); set DCFORMER_TEST_INDUCTOR=1",
+)
+def test_inductor_model_forward_backward_matches_oracle():
+    """The generated kernels themselves: a training step of a whole model (local and global layers, padding,
+    chunks recomputed in the backward pass) with "compiled" against "eager" and the oracle."""
+    if not mdl.compile_supported(torch.device("cpu")):
+        pytest.skip("no C++ compiler for Inductor")
+    torch._dynamo.reset()
+    mdl._compiled_attend_chunk = None
+    config = make_config(use_qk_norm=True, window_size=4, num_hidden_layers=2, attention_chunk_size=8)
+    model = build_model(config).train()
+    input_ids, mask = padded_batch()
+    model.config.dcmha_implementation = "eager"
+    eager_logits, eager_grads = loss_and_grads(model, input_ids, mask)
+    model.config.dcmha_implementation = "compiled"
+    try:
+        logits, grads = loss_and_grads(model, input_ids, mask)
+    finally:
+        mdl._compiled_attend_chunk = None
+        torch._dynamo.reset()
+    real = mask.bool()
+    assert_close(logits[real], eager_logits[real])
+    for name, grad in grads.items():
+        assert_close(grad, eager_grads[name])
+    state = as_double(model.state_dict())
+    ids = input_ids[1, real[1]][None]
+    assert_close(logits[1, real[1]], oracle_causal_lm(state, config, ids)[0])
+
+
+def test_auto_picks_by_size_and_device(monkeypatch):
+    cpu = torch.device("cpu")
+    small, big = mdl.AUTO_COMPILE_MIN_SCORES - 1, mdl.AUTO_COMPILE_MIN_SCORES
+    monkeypatch.setattr(mdl, "compile_supported", lambda device: True)
+    assert mdl.resolve_dcmha_implementation("auto", cpu, small) == "eager"
+    assert mdl.resolve_dcmha_implementation("auto", cpu, big) == "compiled"
+    assert mdl.resolve_dcmha_implementation("eager", cpu, big) == "eager"
+    assert mdl.resolve_dcmha_implementation("compiled", cpu, small) == "compiled"
+    monkeypatch.setattr(mdl, "compile_supported", lambda device: False)
+    assert mdl.resolve_dcmha_implementation("auto", cpu, big) == "eager"
+    assert not mdl.compile_supported(torch.device("meta"))
+
+
+def test_auto_sends_big_chunks_to_the_compiled_path(monkeypatch):
+    """With "auto", a model whose chunks reach the threshold calls the compiled chunk, a small one does not."""
+    calls = []
+
+    def fake_compiled(*args, **kwargs):
+        calls.append(args[0].shape)
+        return mdl.attend_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(mdl, "compiled_attend_chunk", fake_compiled)
+    monkeypatch.setattr(mdl, "compile_supported", lambda device: True)
+    monkeypatch.setattr(mdl, "AUTO_COMPILE_MIN_SCORES", 4 * 16 * 16)  # heads x queries x keys
+    model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="auto"))
+    with torch.no_grad():
+        model(torch.zeros(1, 8, dtype=torch.long))
+        assert calls == []
+        model(torch.zeros(1, 16, dtype=torch.long))
+    assert len(calls) == 1
+
+
+def test_bad_implementation_is_a_clear_error():
+    with pytest.raises(ValueError, match="dcmha_implementation"):
+        DCFormerConfig(hidden_size=32, num_attention_heads=4, dcmha_implementation="flash")
+
+
+def test_implementation_survives_save_and_load(tmp_path):
+    config = make_config(dcmha_implementation="eager")
+    DCFormerForCausalLM(config).save_pretrained(tmp_path)
+    assert DCFormerConfig.from_pretrained(tmp_path).dcmha_implementation == "eager"

@@ -1,0 +1,401 @@
+"""Sharing on the Hub: saved directories carry the remote code and a model card; they load with
+`trust_remote_code=True` in a Python that cannot import this package, and natively (without the copies) where it
+can; `push_to_hub` and the converters' `--push-to-hub` upload all of it (the Hub API is replaced by fakes: no
+network)."""
+
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard
+from huggingface_hub.errors import LocalEntryNotFoundError
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
+
+import modeling_dcformer  # noqa: F401  (registers the auto classes)
+from conftest import ROOT, TINY, randomize_dyn_w
+from conversion import caiyun_to_hf
+from conversion import pythia_to_dcpythia as p2d
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub
+from released_checkpoint import released_dir
+
+CODE_FILES = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "hub.py"}
+LM_EVAL_RESULTS = {  # the shape of what lm-eval / evals/harness.py write (abridged)
+    "results": {
+        "piqa_local": {"alias": "piqa_local", "acc,none": 0.625, "acc_stderr,none": 0.125, "acc_norm,none": 0.5,
+                       "acc_norm_stderr,none": "N/A"},
+        "lambada_openai_local": {"alias": "lambada", "perplexity,none": 12.5, "perplexity_stderr,none": 1.5,
+                                 "acc,none": 0.25, "acc_stderr,none": 0.1},
+        "dcformer_gen_local": {"exact_match,strip": 0.75, "exact_match_stderr,strip": 0.2},
+    },
+    "config": {"model": "dcformer", "limit": 8},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny models; one thread also makes the fp32 logits of this process and of the isolated one bit-identical."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(config_class=DCFormerConfig, seed: int = 0, **overrides) -> DCFormerForCausalLM:
+    torch.manual_seed(seed)
+    return randomize_dyn_w(DCFormerForCausalLM(config_class(**{**TINY, **overrides})).eval(), seed=seed + 1)
+
+
+@torch.no_grad()
+def logits_of(model, ids):
+    return model(ids).logits
+
+
+def ids_for(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, 11), generator=torch.Generator().manual_seed(7))
+
+
+def load_native(path, **kwargs):
+    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+
+
+def build_neox_source(path: Path) -> Path:
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    GPTNeoXForCausalLM(config).eval().save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Saved directories, and loading them in a Python that cannot import modeling_dcformer
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{name: directory} of models saved or converted by this package, each with the input ids to check."""
+    root = tmp_path_factory.mktemp("hub")
+    dirs = {}
+    # DCPythia body, a local window and qk-norm
+    tiny(window_size=4, use_qk_norm=True).save_pretrained(root / "dcformer")
+    dirs["dcformer"] = root / "dcformer"
+    # DCFormer++ body from a DCPythiaConfig (model_type "dcpythia")
+    plus = dict(norm_type="rmsnorm", use_gated_mlp=True, hidden_act="silu", use_parallel_residual=False,
+                attention_bias=False, mlp_bias=False, partial_rotary_factor=1.0)
+    tiny(DCPythiaConfig, seed=3, **plus).save_pretrained(root / "dcpythia")
+    dirs["dcpythia"] = root / "dcpythia"
+    # the converters' outputs
+    p2d.convert(str(build_neox_source(root / "neox")), str(root / "converted-pythia"), verify=False)
+    dirs["converted-pythia"] = root / "converted-pythia"
+    src, _, _ = released_dir(root, "released")
+    caiyun_to_hf.convert(str(src), str(root / "converted-released"))
+    dirs["converted-released"] = root / "converted-released"
+    for name, directory in dirs.items():
+        vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+        torch.save(ids_for(vocab), directory.parent / f"{name}.ids.pt")
+    return dirs
+
+
+ISOLATED_SCRIPT = textwrap.dedent(
+    """
+    import importlib.util, json, sys
+    from pathlib import Path
+    sys.path.extend(json.loads(sys.argv[1]))  # the dependencies' directories only: no site hooks, no checkout
+    report = {"spec": repr(importlib.util.find_spec("modeling_dcformer"))}
+    try:
+        import modeling_dcformer  # noqa: F401
+        report["importable"] = True
+    except ImportError:
+        report["importable"] = False
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(1)
+    out = Path(sys.argv[2])
+
+    def run(name, directory):
+        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+        ids = torch.load(out / (name.split("@")[0] + ".ids.pt"))
+        with torch.no_grad():
+            torch.save(model(ids).logits, out / (name + ".remote.pt"))
+        torch.save(model.generate(ids[:1, :4], max_new_tokens=5, do_sample=False), out / (name + ".gen.pt"))
+        report[name] = type(model).__module__ + "." + type(model).__name__
+        return model
+
+    for name in sys.argv[3:]:
+        model = run(name, str(out / name))
+    # a model loaded as remote code saves (and so pushes) the same way, with the copies of the copies
+    run("dcformer", str(out / "dcformer")).save_pretrained(out / "resaved", model_card={"overwrite": True})
+    run("dcformer@resaved", str(out / "resaved"))
+    report["top_level_modules"] = sorted({m.split(".")[0] for m in sys.modules if "dcformer" in m})
+    (out / "report.json").write_text(json.dumps(report))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def isolated(saved):
+    """Runs ISOLATED_SCRIPT once over every saved directory: `python -I -S` (no site hooks, so not the editable
+    install's finder; no PYTHONPATH, no user site, not the checkout) with only the directories holding torch,
+    transformers and their dependencies on sys.path, an empty HF_HOME and offline."""
+    root = next(iter(saved.values())).parent
+    paths = [
+        p for p in sys.path
+        if p and os.path.isdir(p) and not Path(p).resolve().is_relative_to(ROOT)
+        and not os.path.exists(os.path.join(p, "modeling_dcformer"))
+    ]
+    (root / "isolated.py").write_text(ISOLATED_SCRIPT)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root), "HF_HOME": str(root / "hf_home"),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", str(root / "isolated.py"), json.dumps(paths), str(root), *saved],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return root, json.loads((root / "report.json").read_text())
+
+
+def test_isolated_python_cannot_import_the_package(isolated):
+    _, report = isolated
+    assert report["importable"] is False and report["spec"] == "None", report
+    assert report["top_level_modules"] == ["transformers_modules"], report
+
+
+@pytest.mark.parametrize("name", ["dcformer", "dcpythia", "converted-pythia", "converted-released"])
+def test_remote_code_gives_the_native_logits_exactly(isolated, saved, name):
+    root, report = isolated
+    assert report[name].startswith("transformers_modules.") and report[name].endswith(".DCFormerForCausalLM")
+    native = load_native(saved[name])
+    assert type(native) is DCFormerForCausalLM  # no trust_remote_code: the installed package, not the copies
+    ids = torch.load(root / f"{name}.ids.pt")
+    expected = logits_of(native, ids)
+    assert torch.equal(torch.load(root / f"{name}.remote.pt"), expected)
+    greedy = native.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)
+    assert torch.equal(torch.load(root / f"{name}.gen.pt"), greedy)
+
+
+def test_remote_loaded_model_saves_loadable_remote_code(isolated, saved):
+    root, report = isolated
+    assert report["dcformer@resaved"].startswith("transformers_modules.")
+    resaved = root / "resaved"
+    assert CODE_FILES <= {p.name for p in resaved.iterdir()}
+    assert json.loads((resaved / "config.json").read_text())["auto_map"] == hub.AUTO_MAP
+    expected = torch.load(root / "dcformer.remote.pt")
+    assert torch.equal(torch.load(root / "dcformer@resaved.remote.pt"), expected)
+    ids = torch.load(root / "dcformer.ids.pt")
+    assert torch.equal(logits_of(load_native(resaved), ids), expected)  # and natively here
+    assert ModelCard.load(resaved / "README.md").data.library_name == "transformers"
+
+
+@pytest.mark.parametrize("name", ["dcformer", "dcpythia", "converted-pythia", "converted-released"])
+def test_saved_directory_layout(saved, name):
+    directory = saved[name]
+    names = {p.name for p in directory.iterdir()}
+    assert CODE_FILES | {"config.json", "README.md", "model.safetensors"} <= names, names
+    package = Path(modeling_dcformer.__file__).parent
+    for file in CODE_FILES:
+        assert (directory / file).read_bytes() == (package / file).read_bytes(), file
+    config = json.loads((directory / "config.json").read_text())
+    assert config["auto_map"] == hub.AUTO_MAP
+    assert config["model_type"] == "dcformer"  # also for the DCPythiaConfig model: "dcpythia" reads released keys
+    card = ModelCard.load(directory / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"dcformer", "dcmha"} <= set(card.data.tags)
+    assert hub.is_generated_card(card.content)
+    assert f'from_pretrained("{directory.name}", trust_remote_code=True)' in card.text
+
+
+def test_native_load_needs_no_copied_code(saved, tmp_path):
+    """trust_remote_code=True still takes the installed classes; the copies can be gone altogether."""
+    ids = torch.load(saved["dcformer"].parent / "dcformer.ids.pt")
+    expected = logits_of(load_native(saved["dcformer"]), ids)
+    trusted = load_native(saved["dcformer"], trust_remote_code=True)
+    assert type(trusted) is DCFormerForCausalLM and torch.equal(logits_of(trusted, ids), expected)
+    bare = tmp_path / "bare"
+    shutil.copytree(saved["dcformer"], bare)
+    for file in CODE_FILES:
+        (bare / file).unlink()
+    assert torch.equal(logits_of(load_native(bare), ids), expected)
+    assert not [m for m in sys.modules if m.startswith(("transformers_modules.dcformer", "transformers_modules.bare"))]
+
+
+def test_remote_code_can_be_left_out(tmp_path):
+    model = tiny()
+    model.save_pretrained(tmp_path, remote_code=False, model_card=False)
+    assert not CODE_FILES & {p.name for p in tmp_path.iterdir()} and not (tmp_path / "README.md").exists()
+    assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
+    ids = ids_for(TINY["vocab_size"])
+    assert torch.equal(logits_of(load_native(tmp_path), ids), logits_of(model, ids))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model card
+# ----------------------------------------------------------------------------------------------------------------
+def test_card_never_replaces_a_users_readme(tmp_path):
+    model = tiny()
+    (tmp_path / "README.md").write_text("# My own card\n")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text() == "# My own card\n"
+    model.save_pretrained(tmp_path, model_card={"overwrite": True, "license": "mit"})
+    assert ModelCard.load(tmp_path / "README.md").data.license == "mit"
+    model.save_pretrained(tmp_path)  # our own card is refreshed
+    assert ModelCard.load(tmp_path / "README.md").data.license == "apache-2.0"
+
+
+def test_card_eval_results_become_model_index(tmp_path):
+    results_file = tmp_path / "lm-eval" / "my-model" / "results_2024-06-01T12-00-00.json"  # --output_path's layout
+    results_file.parent.mkdir(parents=True)
+    results_file.write_text(json.dumps(LM_EVAL_RESULTS))
+    for eval_results in (LM_EVAL_RESULTS, str(results_file), tmp_path / "lm-eval", LM_EVAL_RESULTS["results"]):
+        path = hub.write_model_card(tmp_path, DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=eval_results)
+        card = ModelCard.load(path)  # parses the YAML, model-index included
+        assert card.data.model_name == "tiny-dc"
+        got = {(r.dataset_name, r.metric_name): r.metric_value for r in card.data.eval_results}
+        assert got == {
+            ("piqa_local", "acc"): 0.625, ("piqa_local", "acc_norm"): 0.5,
+            ("lambada_openai_local", "perplexity"): 12.5, ("lambada_openai_local", "acc"): 0.25,
+            ("dcformer_gen_local", "exact_match,strip"): 0.75,
+        }
+        assert {r.dataset_type for r in card.data.eval_results} == {"piqa", "lambada_openai", "dcformer_gen"}
+        assert all(r.task_type == "text-generation" for r in card.data.eval_results)
+        assert "model-index" in card.content and "| piqa_local | acc | 0.6250 | 0.1250 |" in card.text
+        assert ("limit=8" in card.text) == (eval_results is not LM_EVAL_RESULTS["results"])  # lm-eval's `limit`
+    with pytest.raises(ValueError, match="no metric"):
+        hub.model_card(DCFormerConfig(**TINY), model_name="x", eval_results={"results": {"piqa": {"alias": "p"}}})
+
+
+def test_card_base_model_and_provenance():
+    config = DCFormerConfig(**TINY, converted_from="EleutherAI/pythia-70m", converted_from_revision="step1000",
+                            converted_from_model_type="gpt_neox",
+                            conversion={"exact": True, "max_logit_difference": 2e-6})
+    card = hub.model_card(config, model_name="dcpythia-70m", repo_id="me/dcpythia-70m")
+    assert card.data.base_model == "EleutherAI/pythia-70m"
+    assert "[EleutherAI/pythia-70m](https://huggingface.co/EleutherAI/pythia-70m) (revision step1000)" in card.text
+    assert "2.0e-06" in card.text and 'from_pretrained("me/dcpythia-70m")' in card.text
+    config.converted_from = "/data/checkpoints/my-neox"  # a local source is no base_model
+    card = hub.model_card(config, model_name="x", base_model=None, license=None)
+    assert card.data.base_model is None and card.data.license is None and "checkpoint `my-neox` (local)" in card.text
+    assert hub.model_card(config, model_name="x", base_model="org/base").data.base_model == "org/base"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Uploads (fake Hub API)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """Replaces the HfApi methods the uploads use; records each call and a snapshot of each uploaded folder."""
+    calls = types.SimpleNamespace(create_repo=[], upload=[], hub_readme=None)
+
+    def create_repo(self, repo_id, *, private=None, token=None, exist_ok=False, **kwargs):
+        calls.create_repo.append(dict(repo_id=repo_id, private=private, token=token, exist_ok=exist_ok))
+        return types.SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"me/{repo_id}")
+
+    def hf_hub_download(self, repo_id, filename, **kwargs):
+        if calls.hub_readme is None:
+            raise LocalEntryNotFoundError(f"{repo_id} has no {filename}")
+        path = tmp_path / "hub_readme.md"
+        path.write_text(calls.hub_readme)
+        return str(path)
+
+    def upload_folder(self, *, repo_id, folder_path, ignore_patterns=None, **kwargs):
+        folder = Path(folder_path)
+        files = sorted(
+            p.name for p in folder.iterdir()
+            if not any(fnmatch.fnmatch(p.name, pattern) for pattern in ignore_patterns or [])
+        )
+        calls.upload.append(dict(
+            repo_id=repo_id, folder=folder, files=files, kwargs=kwargs,
+            config=json.loads((folder / "config.json").read_text()),
+            readme=(folder / "README.md").read_text() if "README.md" in files else None,
+        ))
+        return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0123abc")
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "create_branch", lambda self, *a, **k: None)
+    return calls
+
+
+def test_push_to_hub_uploads_weights_config_code_and_card(fake_hub):
+    model = tiny(window_size=4)
+    info = model.push_to_hub("tiny-dc", private=True, token="hf_x", eval_results=LM_EVAL_RESULTS, tags=["demo"],
+                             commit_message="first")
+    assert info.commit_url == "https://huggingface.co/me/tiny-dc/commit/0123abc"
+    assert fake_hub.create_repo == [dict(repo_id="tiny-dc", private=True, token="hf_x", exist_ok=True)]
+    (upload,) = fake_hub.upload
+    assert upload["repo_id"] == "me/tiny-dc" and upload["kwargs"]["commit_message"] == "first"
+    assert upload["kwargs"]["token"] == "hf_x"
+    assert set(upload["files"]) == CODE_FILES | {"config.json", "generation_config.json", "model.safetensors",
+                                                "README.md"}
+    assert upload["config"]["auto_map"] == hub.AUTO_MAP
+    card = ModelCard(upload["readme"])
+    assert card.data.license == "apache-2.0" and "demo" in card.data.tags and len(card.data.eval_results) == 5
+    assert 'from_pretrained("me/tiny-dc", trust_remote_code=True)' in card.text
+    assert not upload["folder"].exists()  # a temporary directory
+
+
+def test_push_keeps_a_users_card_on_the_hub(fake_hub):
+    fake_hub.hub_readme = "---\nlicense: mit\n---\n# Written by hand\n"
+    tiny().push_to_hub("me/tiny-dc")
+    assert "README.md" not in fake_hub.upload[-1]["files"]
+    tiny().push_to_hub("me/tiny-dc", overwrite_model_card=True)
+    assert "README.md" in fake_hub.upload[-1]["files"]
+    fake_hub.hub_readme = fake_hub.upload[-1]["readme"]  # our own card on the Hub is refreshed
+    tiny().push_to_hub("me/tiny-dc")
+    assert "README.md" in fake_hub.upload[-1]["files"]
+
+
+def test_save_pretrained_push_to_hub(fake_hub, tmp_path):
+    tiny().save_pretrained(tmp_path / "local", push_to_hub=True, repo_id="me/tiny-dc", commit_message="m")
+    (upload,) = fake_hub.upload
+    assert upload["folder"] == tmp_path / "local" and upload["kwargs"]["commit_message"] == "m"
+    assert CODE_FILES | {"README.md", "model.safetensors"} <= set(upload["files"])
+    assert 'from_pretrained("me/tiny-dc")' in upload["readme"]
+
+
+@pytest.mark.parametrize("repo_id", ["a/b/c", "./local-dir", "my model", ""])
+def test_bad_repo_id_is_refused_before_anything_happens(fake_hub, tmp_path, capsys, repo_id):
+    with pytest.raises(ValueError, match="is not a Hub repository id"):
+        tiny().push_to_hub(repo_id)
+    src = build_neox_source(tmp_path / "neox")
+    assert p2d.main([str(src), str(tmp_path / "dst"), "--push-to-hub", repo_id]) == 2
+    assert "is not a Hub repository id" in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists() and not fake_hub.create_repo and not fake_hub.upload
+
+
+def test_pythia_converter_pushes_the_finished_directory(fake_hub, tmp_path, capsys):
+    src = build_neox_source(tmp_path / "neox")
+    dst = tmp_path / "dcpythia-tiny"
+    argv = [str(src), str(dst), "--push-to-hub", "me/dcpythia-tiny", "--private", "--token", "hf_x"]
+    assert p2d.main(argv) == 0, capsys.readouterr().err
+    assert "Pushed" in capsys.readouterr().out
+    assert fake_hub.create_repo == [dict(repo_id="me/dcpythia-tiny", private=True, token="hf_x", exist_ok=True)]
+    (upload,) = fake_hub.upload
+    assert upload["folder"] == dst and upload["repo_id"] == "me/dcpythia-tiny"
+    assert set(upload["files"]) == CODE_FILES | {"config.json", "model.safetensors", "README.md",
+                                                "generation_config.json"}  # (copied from the source)
+    assert upload["config"]["auto_map"] == hub.AUTO_MAP
+    assert upload["config"]["converted_from"] == str(src.resolve())
+    card = ModelCard(upload["readme"])
+    assert card.data.license == "apache-2.0" and card.data.base_model is None  # a local source
+    assert "# dcpythia-tiny" in card.text and "exactly the source's function" in card.text
+
+
+def test_released_converter_pushes_with_base_model(fake_hub, tmp_path, capsys, monkeypatch):
+    src, _, _ = released_dir(tmp_path, "released")
+    # as if SRC were the Hub id of the release: resolve_source returns its snapshot directory
+    monkeypatch.setattr(caiyun_to_hf, "resolve_source", lambda name, revision=None: src)
+    dst = tmp_path / "dcpythia-hf"
+    argv = ["Caiyun-AI/DCPythia-tiny", str(dst), "--push-to-hub", "me/dcpythia-hf", "--license", "mit"]
+    assert caiyun_to_hf.main(argv) == 0, capsys.readouterr().err
+    (upload,) = fake_hub.upload
+    assert upload["folder"] == dst and CODE_FILES | {"README.md", "model.safetensors"} <= set(upload["files"])
+    card = ModelCard(upload["readme"])
+    assert card.data.base_model == "Caiyun-AI/DCPythia-tiny" and card.data.license == "mit"
+    assert "released checkpoint" in card.text
