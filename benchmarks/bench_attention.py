@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
     print(f"## One attention layer: DCMHA / SDPA (`python benchmarks/bench_attention.py {' '.join(sys.argv[1:] if argv is None else argv)}`)")
     print(f"- {name}, torch {torch.__version__}, {args.dtype}, hidden {args.hidden_size}, {args.heads} heads, "
           f"batch {args.batch_size}, chunk {args.chunk}, window {args.window}")
