@@ -11,21 +11,30 @@ Measurements (each ratio is DCFormer / baseline):
     fwd+bwd     training step without optimizer: train mode, loss on `--seq-len` tokens, backward -> seconds
     decode      greedy `generate` with use_cache: `--decode-prompt` prompt tokens, exactly `--decode-new` new
                 tokens (EOS disabled) -> new tokens per second, prompt processing included
-    peak memory the process's peak resident memory during one run, above its resident memory after the
-                model was built (Linux: VmHWM reset through /proc/self/clear_refs; elsewhere a sampling
+    peak memory the process's peak resident memory during one run, above its resident memory before that
+                run, which follows a warm-up run (one-time costs such as torch.compile's compilation of DCMHA
+                chunks are left out) (Linux: VmHWM reset through /proc/self/clear_refs; elsewhere a sampling
                 thread), with glibc's mmap threshold pinned at 128 KiB so that freed tensors go back to the
                 system and the peak follows live tensors, not heap retention (`--malloc default` to measure
                 with glibc as it is) -> MiB
+    sweep       `--sweep`: the training step (fwd+bwd above) at each of `--sweep-seq-lens` (default 512, 1024,
+                2048, 4096), batch `--batch-size`, shape Pythia-70M unless `--shape`: a table of step time and
+                peak memory of both models per sequence length with their ratios, and a PNG plot of both against
+                the sequence length, written with the table to `--out-dir` (default benchmarks/results/); it
+                replaces the table above. Above 1024 tokens one timed run per model after the warm-up
+                (`--sweep-full-repeats`: `--repeats` runs)
 Threads: 1 by default (`--threads N` for more), for ratios that hold on a shared or loaded machine.
 Every measurement runs in a fresh process forked from this one (the imports are paid once; no allocator
 state leaks from one measurement into the next). Time: per phase, one process holds both models, warms each
 up once, then runs them `--repeats` times interleaved (A B B A ...) so that both see the same machine load;
-the median is reported. Memory: one run per model and phase, each in its own process.
+the median is reported. Memory: one run (after a warm-up run) per model and phase, each in its own process.
 
     python benchmarks/bench_model.py                      # Pythia-160M shape, T=1024, fp32
     python benchmarks/bench_model.py --quick              # tiny smoke test (a few seconds of work)
     python benchmarks/bench_model.py --shape pythia-70m --seq-len 512 --window 256
     python benchmarks/bench_model.py --profile            # also: top DCFormer prefill ops (torch.profiler)
+    python benchmarks/bench_model.py --sweep              # training step vs T (Pythia-70M shape), table + PNG
+    python benchmarks/bench_model.py --sweep --quick      # the same on the tiny shape at T=32,64 (seconds)
 
 `--json FILE` writes the results (examples/demo.py reads the ratios from it); `run_benchmark(argv)` returns them.
 Call `run_benchmark` from a process that has not run torch ops yet (it forks; OpenMP is not fork-safe once
@@ -67,8 +76,12 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 MIB = 1024 * 1024
 PHASES = ("prefill", "train", "decode")
-QUICK = dict(shape="dcformer-tiny", seq_len=128, decode_prompt=16, decode_new=16, repeats=2)
-DEFAULTS = dict(shape="pythia-160m", seq_len=1024, decode_prompt=128, decode_new=128, repeats=3)
+QUICK = dict(shape="dcformer-tiny", seq_len=128, decode_prompt=16, decode_new=16, repeats=2, sweep_seq_lens=[32, 64])
+DEFAULTS = dict(shape="pythia-160m", seq_len=1024, decode_prompt=128, decode_new=128, repeats=3,
+                sweep_seq_lens=[512, 1024, 2048, 4096])
+SWEEP_SHAPE = "pythia-70m"  # --sweep's default shape: Pythia-160M's steps at 4096 tokens take minutes each on 1 thread
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
+SWEEP_LONG = 1024  # --sweep: above this many tokens one timed run per model (after the warm-up)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -78,6 +91,19 @@ def preset_names() -> list[str]:
     return sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONFIG_DIR, "*.json")))
 
 
+def seq_len_list(text: str) -> list[int]:
+    """argparse type of --sweep-seq-lens: "512,1024" -> [512, 1024] (sorted, distinct, each at least 1)."""
+    lens = []
+    for item in text.split(","):
+        try:
+            lens.append(int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not an integer (expected e.g. 512,1024)") from None
+        if lens[-1] < 1:
+            raise argparse.ArgumentTypeError(f"sequence lengths must be at least 1, got {lens[-1]}")
+    return sorted(set(lens))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="DCFormer vs GPT-NeoX (or Llama) of the same shape on CPU: prefill, fwd+bwd, decode, memory.",
@@ -85,7 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--shape", default=None,
                    help="a preset of configuration/ (e.g. dcpythia-pythia-410m, dcformer-tiny) or pythia-SIZE "
-                        f"(-> dcpythia-pythia-SIZE.json); default {DEFAULTS['shape']} ({QUICK['shape']} with --quick)")
+                        f"(-> dcpythia-pythia-SIZE.json); default {DEFAULTS['shape']} ({SWEEP_SHAPE} with --sweep, "
+                        f"{QUICK['shape']} with --quick)")
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens of prefill and fwd+bwd (default {DEFAULTS['seq_len']})")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--decode-prompt", type=int, default=None, help=f"prompt tokens for decode (default {DEFAULTS['decode_prompt']})")
@@ -101,18 +128,35 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "global. Default: the preset's own setting")
     p.add_argument("--window-type", default=None, help="window pattern with --window (None: 'LG', even layers local)")
     p.add_argument("--qk-norm", choices=("on", "off"), default=None, help="override the preset's qk-norm")
+    p.add_argument("--dcmha-implementation", choices=("auto", "eager", "compiled"), default=None,
+                   help="DCFormerConfig.dcmha_implementation (default: the preset's, 'auto')")
     p.add_argument("--malloc", choices=("pinned", "default"), default="pinned",
                    help="memory runs: 'pinned' fixes glibc's mmap threshold at 128 KiB so that the RSS peak follows "
                         "live tensors; 'default' leaves glibc as it is (its heap then retains freed blocks of up to 32 MiB)")
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
     p.add_argument("--quick", action="store_true", help="tiny model and short inputs: a smoke test")
+    p.add_argument("--sweep", action="store_true",
+                   help="instead of the phase table: the training step (forward, loss, backward; no optimizer) at "
+                        "each of --sweep-seq-lens, time and peak memory of both models, a table and a PNG plot")
+    p.add_argument("--sweep-seq-lens", type=seq_len_list, default=None, metavar="T1,T2,...",
+                   help="comma-separated sequence lengths of --sweep (implies --sweep); default "
+                        f"{','.join(map(str, DEFAULTS['sweep_seq_lens']))} "
+                        f"({','.join(map(str, QUICK['sweep_seq_lens']))} with --quick)")
+    p.add_argument("--sweep-full-repeats", action="store_true",
+                   help=f"--sweep: --repeats timed runs at every length (default: one above {SWEEP_LONG} tokens)")
+    p.add_argument("--out-dir", default=None, metavar="DIR",
+                   help="--sweep writes its table (.md) and plot (.png) here; default benchmarks/results/")
     p.add_argument("--profile", action="store_true", help="also profile one DCFormer prefill and print its top ops")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
+    args.sweep = args.sweep or args.sweep_seq_lens is not None
+    if args.sweep and not args.quick and args.shape is None:
+        args.shape = SWEEP_SHAPE
     base = QUICK if args.quick else DEFAULTS
     for key, value in base.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.out_dir = args.out_dir or RESULTS_DIR
     args.phases = [ph.strip() for ph in args.phases.split(",") if ph.strip()]
     unknown = set(args.phases) - set(PHASES)
     if unknown:
@@ -140,7 +184,9 @@ def dcformer_config(args) -> DCFormerConfig:
         overrides.update(window_size=args.window or None, window_type=args.window_type, layer_types=None)
     if args.qk_norm is not None:
         overrides["use_qk_norm"] = args.qk_norm == "on"
-    max_len = max(args.seq_len, args.decode_prompt + args.decode_new)
+    if args.dcmha_implementation is not None:
+        overrides["dcmha_implementation"] = args.dcmha_implementation
+    max_len = max(args.seq_len, args.decode_prompt + args.decode_new, *(args.sweep_seq_lens if args.sweep else ()))
     if max_len > config.max_position_embeddings:
         overrides["max_position_embeddings"] = max_len
     if overrides:
@@ -326,11 +372,12 @@ def pin_malloc_mmap_threshold(threshold: int = 128 * 1024) -> bool:
 
 
 def measure_memory(kind: str, phase: str, dc_cfg: DCFormerConfig, opts: dict) -> dict:
-    """Peak resident memory of one run of `phase`, above the resident memory after the model was built."""
+    """Peak resident memory of one run of `phase`, above the resident memory before it (after a warm-up run)."""
     pinned = pin_malloc_mmap_threshold() if opts.get("malloc") == "pinned" else False
     torch.set_num_threads(opts["threads"])
     model = build_model(kind, dc_cfg, DTYPES[opts["dtype"]])
     step = make_step(model, phase, dc_cfg, opts)
+    step()  # warm-up: one-time costs (torch.compile compiling DCMHA chunks, lazy initialisation) stay out of the peak
     gc.collect()
     tracker = PeakRSS().start()
     step()
@@ -394,7 +441,7 @@ def describe(dc: DCFormerConfig) -> str:
     window = f"window {dc.window_size} on {local}/{dc.num_hidden_layers} layers" if local else "every layer global"
     return (f"hidden {dc.hidden_size}, {dc.num_hidden_layers} layers, {dc.num_attention_heads} heads, "
             f"MLP {dc.intermediate_size}{' (gated)' if dc.use_gated_mlp else ''}, vocab {dc.vocab_size}, "
-            f"qk-norm {'on' if dc.use_qk_norm else 'off'}, {window}")
+            f"qk-norm {'on' if dc.use_qk_norm else 'off'}, {window}, dcmha_implementation {dc.dcmha_implementation!r}")
 
 
 def load_average() -> str:
@@ -402,6 +449,136 @@ def load_average() -> str:
         return " / ".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
         return "n/a"
+
+
+def environment(args) -> str:
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}, "
+            f"{platform.machine()} CPU, {os.cpu_count()} cores visible, {args.threads} torch "
+            f"thread{'s' if args.threads > 1 else ''}, {args.dtype}")
+
+
+def shown_path(path: str) -> str:
+    """`path` relative to the checkout when inside it."""
+    rel = os.path.relpath(os.path.abspath(path), ROOT)
+    return path if rel.startswith("..") else rel
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --sweep: the training step against the sequence length
+# ------------------------------------------------------------------------------------------------------------
+def sweep_point(seq_len: int, args, dc_cfg: DCFormerConfig, opts: dict) -> dict:
+    """Training-step time (interleaved runs, median) and peak memory of both models at `seq_len` tokens."""
+    long = seq_len > SWEEP_LONG and not args.sweep_full_repeats
+    opts = dict(opts, seq_len=seq_len, repeats=1 if long else args.repeats)
+    timing = run_in_fresh_process(measure_time, "train", dc_cfg, opts)
+    point = dict(seq_len=seq_len, repeats=opts["repeats"])
+    for kind in ("baseline", "dcformer"):
+        memory = run_in_fresh_process(measure_memory, kind, "train", dc_cfg, opts)
+        point[kind] = dict(step_s=timing[kind]["median"], times=timing[kind]["times"],
+                           peak_mib=memory["peak_bytes"] / MIB, memory_method=memory["memory_method"])
+    base, dc = point["baseline"], point["dcformer"]
+    point["time_ratio"] = dc["step_s"] / base["step_s"]
+    point["memory_ratio"] = dc["peak_mib"] / base["peak_mib"] if base["peak_mib"] else float("nan")
+    return point
+
+
+def plot_sweep(points: list[dict], base_name: str, title: str, path: str) -> bool:
+    """Peak memory (left) and step time (right) of both models against the sequence length, as a PNG.
+    False (and no file) where matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    lens = [pt["seq_len"] for pt in points]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    panels = (("peak_mib", "peak memory (MiB over weights)"), ("step_s", "training step (s)"))
+    for ax, (key, ylabel) in zip(axes, panels, strict=True):
+        for kind, label, marker in (("baseline", base_name, "o"), ("dcformer", "DCFormer", "s")):
+            ax.plot(lens, [pt[kind][key] for pt in points], marker=marker, label=label)
+        ax.set_xticks(lens, [str(n) for n in lens])
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def run_sweep(args, dc_cfg: DCFormerConfig, base_name: str, opts: dict, command: str, progress) -> tuple[list, dict]:
+    """The training step at each of `args.sweep_seq_lens`: report lines (also written to `--out-dir` with the
+    plot) and the results."""
+    t_start = time.perf_counter()
+    load_before = load_average()
+    points = []
+    for seq_len in args.sweep_seq_lens:
+        pt = sweep_point(seq_len, args, dc_cfg, opts)
+        points.append(pt)
+        progress(f"sweep T={seq_len}: step {base_name} {pt['baseline']['step_s']:.3f}s, DCFormer "
+                 f"{pt['dcformer']['step_s']:.3f}s; peak {base_name} {pt['baseline']['peak_mib']:.1f} MiB, "
+                 f"DCFormer {pt['dcformer']['peak_mib']:.1f} MiB")
+    wall = time.perf_counter() - t_start
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"train_sweep_{os.path.splitext(os.path.basename(args.shape))[0]}")
+    png, md = stem + ".png", stem + ".md"
+    title = (f"training step (fwd+bwd), batch {args.batch_size}, {args.dtype}, {args.threads} thread(s): "
+             f"shape {args.shape}")
+    plotted = plot_sweep(points, base_name, title, png)
+
+    b = base_name
+    few = [pt["seq_len"] for pt in points if pt["repeats"] != args.repeats]
+    long = f" (at T={','.join(map(str, few))}: 1 run each)" if few else ""
+    lines = [
+        f"## Training step vs sequence length, DCFormer vs {b}: `{command}`",
+        "",
+        f"- {environment(args)}",
+        f"- shape `{args.shape}`: {describe(dc_cfg)}",
+        (f"- {b}: same shape, `attn_implementation=\"sdpa\"`; DCFormer: its own DCMHA attention "
+         f"(query chunks of {dc_cfg.attention_chunk_size})"),
+        (f"- training step: train mode, forward, loss on all T tokens, backward; batch {args.batch_size}; "
+         "no optimizer step (its cost per parameter is the same in both models)"),
+        (f"- time: per T one fresh process holds both models, 1 warm-up each, then {args.repeats} runs interleaved, "
+         f"median{long}; peak memory: one step per model and T in a fresh process after a warm-up step, peak "
+         f"resident set size minus the resident set size before the step ({points[0]['baseline']['memory_method']}), "
+         "gradients included"),
+        f"- load average (1/5/15 min) before: {load_before}, after: {load_average()}",
+        "",
+        f"| T | step time {b} (s) | step time DCFormer (s) | ratio | peak MiB {b} | peak MiB DCFormer | ratio |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for pt in points:
+        base, dc = pt["baseline"], pt["dcformer"]
+        lines.append(f"| {pt['seq_len']} | {base['step_s']:.3f} | {dc['step_s']:.3f} | {fmt_ratio(pt['time_ratio'])} | "
+                     f"{base['peak_mib']:.1f} | {dc['peak_mib']:.1f} | {fmt_ratio(pt['memory_ratio'])} |")
+    lines += [
+        "",
+        "Ratios are DCFormer / " + b + "; peak MiB is above the weights.",
+        "Timed runs (s): " + "; ".join(
+            f"T={pt['seq_len']} {b if k == 'baseline' else 'DCFormer'}: "
+            + ", ".join(f"{t:.3f}" for t in pt[k]["times"]) for pt in points for k in ("baseline", "dcformer")),
+        f"Sweep wall time: {wall:.0f} s",
+        f"Table: `{shown_path(md)}`; plot: "
+        + (f"`{shown_path(png)}`" if plotted else "none (matplotlib is not installed)"),
+    ]
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+        if plotted:
+            f.write(f"\n![peak memory and step time against the sequence length]({os.path.basename(png)})\n")
+    summary = dict(command=command, torch=torch.__version__, transformers=transformers.__version__,
+                   threads=args.threads, dtype=args.dtype, shape=args.shape, baseline=base_name,
+                   sweep=dict(step="train mode: forward + loss + backward, no optimizer step",
+                              batch_size=args.batch_size, seq_lens=args.sweep_seq_lens, points=points, table=md,
+                              plot=png if plotted else None),
+                   wall_s=wall)
+    return lines, summary
 
 
 def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
@@ -423,6 +600,15 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     def progress(line):
         if log is not None:
             print(f"[bench {time.perf_counter() - t_start:6.1f}s] {line}", file=log, flush=True)
+
+    if args.sweep:
+        lines, summary = run_sweep(args, dc_cfg, base_name, opts, command, progress)
+        for line in lines:
+            say(line)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+        return summary
 
     timing, memory = {}, {}
     for phase in args.phases:
@@ -456,8 +642,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
 
     say(f"## DCFormer vs {base_name}: `{command}`")
     say()
-    say(f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}, "
-        f"{platform.machine()} CPU, {os.cpu_count()} cores visible, {args.threads} torch thread{'s' if args.threads > 1 else ''}, {args.dtype}")
+    say(f"- {environment(args)}")
     say(f"- shape `{args.shape}`: {describe(dc_cfg)}")
     say(f"- {base_name}: same shape, `attn_implementation=\"sdpa\"`; DCFormer: its own DCMHA attention "
         f"(query chunks of {dc_cfg.attention_chunk_size})")
@@ -465,7 +650,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
         f"loss + backward, no optimizer) on {args.seq_len} tokens; decode: greedy `generate`, {args.decode_prompt} "
         f"prompt + {args.decode_new} new tokens, use_cache, prompt included")
     say(f"- time: per phase one fresh process holds both models, 1 warm-up each, then {args.repeats} runs "
-        f"interleaved, median; memory: one run in a fresh process per model and phase")
+        f"interleaved, median; memory: one run after a warm-up run in a fresh process per model and phase")
     say(f"- load average (1/5/15 min) before: {load_before}, after: {load_average()}")
     say()
     say(f"| metric | {base_name} | DCFormer | ratio DCFormer/{base_name} |")
@@ -477,8 +662,8 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
         say(f"| {label} | {fmt.format(bv)} | {fmt.format(dv)} | {fmt_ratio(ratio)} |")
     say()
     method = memory[("baseline", args.phases[0])]["memory_method"]
-    say(f"Peak memory: peak resident set size during the run minus the resident set size after the model was "
-        f"built ({method}); fwd+bwd includes the gradients.")
+    say(f"Peak memory: peak resident set size during the run minus the resident set size before it (model built, "
+        f"one warm-up run done, so torch.compile's compilation is left out; {method}); fwd+bwd includes the gradients.")
     say("Timed runs (s): " + "; ".join(
         f"{base_name if k == 'baseline' else 'DCFormer'} {ph}: " + ", ".join(f"{t:.3f}" for t in timing[ph][k]["times"])
         for ph in args.phases for k in ("baseline", "dcformer")))
