@@ -72,7 +72,8 @@ class DCFormerConfig(PreTrainedConfig):
             (scores, both Compose steps, mask, softmax, output) through `torch.compile`, which fuses the per-element
             composition into one pass over the scores; the first call of each kind compiles (seconds).
             `"auto"`: `"compiled"` for chunks big enough to pay for it (prefill and training at real sizes) on a
-            device torch.compile can generate code for (CPU with a C++ compiler, CUDA with Triton), else `"eager"`.
+            device torch.compile can generate code for (CPU with a C++ compiler, CUDA with Triton), else `"eager"`;
+            if compiling fails, a warning and `"eager"` from then on.
     """
 
     model_type = "dcformer"

@@ -298,6 +298,23 @@ def compiled_attend_chunk(q, k, v, query_terms, key_terms, allowed, *args, **kwa
     return _compiled_attend_chunk(q, k, v, query_terms, key_terms, allowed, *args, pointwise=True, **kwargs)
 
 
+def disable_auto_compile(err: Exception) -> None:
+    """After torch.compile failed once, "auto" stays eager in this process."""
+    global _compile_failed
+    _compile_failed = True
+    logger.warning(
+        f"torch.compile of the DCMHA attention failed ({type(err).__name__}: {str(err)[:200]}); "
+        'dcmha_implementation="auto" falls back to "eager" (same numbers, slower)'
+    )
+
+
+def run_chunk(chunk_fn: Callable, args: tuple, kwargs: dict, recompute: bool):
+    """One chunk, its intermediates recomputed in the backward pass when `recompute`."""
+    if recompute:
+        return torch.utils.checkpoint.checkpoint(chunk_fn, *args, use_reentrant=False, **kwargs)
+    return chunk_fn(*args, **kwargs)
+
+
 def resolve_dcmha_implementation(implementation: str, device: torch.device, num_scores: int) -> str:
     """The implementation a chunk of `num_scores` (heads x queries x keys) scores runs with."""
     if torch.compiler.is_compiling():
@@ -375,10 +392,13 @@ def dcmha_attention(
             kwargs["pointwise"] = True
         elif impl == "compiled" and query_terms is not None:
             chunk_fn = compiled_attend_chunk
-        if recompute and not output_attentions:
-            out, probs = torch.utils.checkpoint.checkpoint(chunk_fn, *args, use_reentrant=False, **kwargs)
-        else:
-            out, probs = chunk_fn(*args, **kwargs)
+        try:
+            out, probs = run_chunk(chunk_fn, args, kwargs, recompute and not output_attentions)
+        except Exception as err:  # "auto" only: a machine where torch.compile cannot build its kernels
+            if implementation != "auto" or chunk_fn is not compiled_attend_chunk:
+                raise
+            disable_auto_compile(err)
+            out, probs = run_chunk(attend_chunk, args, kwargs, recompute and not output_attentions)
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = probs
         outputs.append(out)

@@ -187,3 +187,27 @@ def test_implementation_survives_save_and_load(tmp_path):
     config = make_config(dcmha_implementation="eager")
     DCFormerForCausalLM(config).save_pretrained(tmp_path)
     assert DCFormerConfig.from_pretrained(tmp_path).dcmha_implementation == "eager"
+
+
+def test_auto_falls_back_to_eager_when_compilation_fails(monkeypatch):
+    """"auto" on a machine where torch.compile cannot build kernels: a warning, then eager (same numbers);
+    an explicit "compiled" reports the failure."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler worked")
+
+    monkeypatch.setattr(mdl, "compiled_attend_chunk", broken)
+    monkeypatch.setattr(mdl, "compile_supported", lambda device: True)
+    monkeypatch.setattr(mdl, "AUTO_COMPILE_MIN_SCORES", 1)
+    monkeypatch.setattr(mdl, "_compile_failed", False)
+    model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="eager"))
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.config.dcmha_implementation = "auto"
+        assert_close(model(ids).logits, expected)
+        assert mdl._compile_failed
+        assert mdl.resolve_dcmha_implementation("auto", torch.device("cpu"), 10**9) == "eager"
+        model.config.dcmha_implementation = "compiled"
+        with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+            model(ids)
