@@ -48,6 +48,7 @@ import argparse
 import gc
 import glob
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -433,7 +434,9 @@ def profile_dcformer_prefill(dc_cfg: DCFormerConfig, opts: dict, rows: int = 18)
 # Report
 # ------------------------------------------------------------------------------------------------------------
 def fmt_ratio(x: float) -> str:
-    return f"{x:.2f}x"
+    """A ratio as "1.23x"; "n/a" where the baseline measured nothing (0 MiB: a tiny model's step can fit in
+    memory the process already holds)."""
+    return "n/a" if math.isnan(x) else f"{x:.2f}x"
 
 
 def describe(dc: DCFormerConfig) -> str:
