@@ -27,7 +27,6 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import modeling_dcformer.modeling_dcformer as mdl  # noqa: E402
 from modeling_dcformer import DCFormerConfig  # noqa: E402

@@ -12,7 +12,6 @@ Layout of one attention layer (`DCFormerAttention`):
 """
 
 import importlib.util
-import math
 import os
 import shutil
 from collections.abc import Callable
