@@ -197,6 +197,28 @@ def compose(
     return out
 
 
+def compose_one_query(
+    scores: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    rank: int,
+) -> torch.Tensor:
+    """`compose` for a single query (T = 1, a decode step), in few ops: the query-wise terms fold into one M x M
+    matrix per group, diag(1 + qdd) + qw2^T qw1, applied with one matmul; the key-wise terms are per-key
+    products and sums over the M heads. Same arguments, same result."""
+    I = rank
+    qw1, qw2, qdd = query_terms[:, 0, :, :I], query_terms[:, 0, :, I : 2 * I], query_terms[:, 0, :, 2 * I]  # [B, G, ., M]
+    mix = qw2.transpose(-1, -2) @ qw1 + torch.diag_embed(1 + qdd)  # [B, G, M, M]: out_m = sum_n mix[m, n] A_n
+    out = (mix @ scores.squeeze(3)).unsqueeze(3)  # [B, G, M, 1, S]
+    if key_terms is not None:
+        kt = key_terms.permute(0, 2, 3, 4, 1)  # [B, G, 2I+1, M, S]
+        kw1, kw2, kdd = kt[:, :, :I], kt[:, :, I : 2 * I], kt[:, :, 2 * I]
+        a = scores.squeeze(3)  # [B, G, M, S]
+        hidden = (a.unsqueeze(2) * kw1).sum(3, keepdim=True)  # [B, G, I, 1, S]
+        out = out + (a * kdd + (kw2 * hidden).sum(2)).unsqueeze(3)
+    return out
+
+
 def compose_pointwise(
     scores: torch.Tensor,
     query_terms: torch.Tensor,
@@ -235,14 +257,15 @@ def attend_chunk(
 
     q: [B, N, c, Dh]; k, v: [B, N, s, Dh]; query_terms: [B, c, G, Cq, 2I+1, M] (pre-query, post-query slots)
     or None; key_terms: [B, s, G, Ck, 2I+1, M] (pre-key, post-key) or None; allowed: bool, broadcastable to
-    [B, N, c, s]. `pointwise` composes with `compose_pointwise` (for torch.compile) instead of `compose`.
+    [B, N, c, s], or None when every query sees every key. `pointwise` composes with `compose_pointwise` (for
+    torch.compile) instead of `compose`.
     Returns the output [B, c, N, Dh] and the composed probabilities [B, N, c, s] (fp32; None unless
     `need_probs`).
     """
     B, N, c, Dh = q.shape
     s = k.shape[2]
     G, M = num_groups, N // num_groups
-    compose_fn = compose_pointwise if pointwise else compose
+    compose_fn = compose_pointwise if pointwise else compose_one_query if c == 1 else compose
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * Dh**-0.5  # [B, N, c, s]
     if query_terms is not None:
         scores = compose_fn(
@@ -251,7 +274,8 @@ def attend_chunk(
             key_terms[:, :, :, 0] if key_terms is not None else None,
             rank,
         ).view(B, N, c, s)
-    scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1)
     if query_terms is not None:
         probs = compose_fn(
@@ -260,7 +284,8 @@ def attend_chunk(
             key_terms[:, :, :, 1] if key_terms is not None else None,
             rank,
         ).view(B, N, c, s)
-        probs = probs.masked_fill(~allowed, 0.0)  # rows with no visible key (padding) stay finite
+        if allowed is not None:
+            probs = probs.masked_fill(~allowed, 0.0)  # rows with no visible key (padding) stay finite
     out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
     return out, (probs if need_probs else None)
 
@@ -288,9 +313,13 @@ def compiled_attend_chunk(q, k, v, query_terms, key_terms, allowed, *args, **kwa
     global _compiled_attend_chunk
     if _compiled_attend_chunk is None:
         _compiled_attend_chunk = torch.compile(attend_chunk)
-    q, k, v, query_terms, allowed = q.contiguous(), k.contiguous(), v.contiguous(), query_terms.contiguous(), allowed.contiguous()
-    for tensor, dim in ((q, 2), (k, 2), (v, 2), (query_terms, 1), (allowed, -2), (allowed, -1)):
+    q, k, v, query_terms = q.contiguous(), k.contiguous(), v.contiguous(), query_terms.contiguous()
+    for tensor, dim in ((q, 2), (k, 2), (v, 2), (query_terms, 1)):
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    if allowed is not None:
+        allowed = allowed.contiguous()
+        torch._dynamo.maybe_mark_dynamic(allowed, -2)
+        torch._dynamo.maybe_mark_dynamic(allowed, -1)
     if key_terms is not None:
         key_terms = key_terms.contiguous()
         torch._dynamo.maybe_mark_dynamic(key_terms, 1)
@@ -367,14 +396,19 @@ def dcmha_attention(
         first, last = query_start + t0, query_start + t1 - 1  # absolute indices of the chunk's queries
         s1 = min(S, last - key_start + 1)
         s0 = max(0, first - window_size + 1 - key_start) if window_size is not None else 0
-        q_idx = torch.arange(first, last + 1, device=query.device)
-        k_idx = torch.arange(key_start + s0, key_start + s1, device=query.device)
-        allowed = k_idx[None, :] <= q_idx[:, None]
-        if window_size is not None:
-            allowed = allowed & (k_idx[None, :] > q_idx[:, None] - window_size)
-        allowed = allowed[None, None]  # [1, 1, c, s]
-        if key_padding_mask is not None:
-            allowed = allowed & key_padding_mask[:, None, None, s0:s1]
+        # every query of the chunk sees every key of [s0, s1) (a decode step, for one): no mask to apply
+        sees_all = key_start + s1 - 1 <= first and (window_size is None or key_start + s0 > last - window_size)
+        if sees_all and key_padding_mask is None:
+            allowed = None
+        else:
+            q_idx = torch.arange(first, last + 1, device=query.device)
+            k_idx = torch.arange(key_start + s0, key_start + s1, device=query.device)
+            allowed = k_idx[None, :] <= q_idx[:, None]
+            if window_size is not None:
+                allowed = allowed & (k_idx[None, :] > q_idx[:, None] - window_size)
+            allowed = allowed[None, None]  # [1, 1, c, s]
+            if key_padding_mask is not None:
+                allowed = allowed & key_padding_mask[:, None, None, s0:s1]
         args = (
             query[:, :, t0:t1],
             key[:, :, s0:s1],

@@ -211,3 +211,19 @@ def test_auto_falls_back_to_eager_when_compilation_fails(monkeypatch):
         model.config.dcmha_implementation = "compiled"
         with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
             model(ids)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("key_wise", [True, False])
+def test_compose_one_query_matches_oracle(key_wise, groups):
+    """The decode-step form (one query: the query-wise terms folded into an M x M matrix)."""
+    B, N, S, I = 2, 4, 7, 2
+    M = N // groups
+    gen = torch.Generator().manual_seed(1)
+    A = torch.randn(B, N, 1, S, generator=gen, dtype=torch.float64)
+    qt = torch.randn(B, 1, groups, 2 * I + 1, M, generator=gen, dtype=torch.float64)
+    kt = torch.randn(B, S, groups, 2 * I + 1, M, generator=gen, dtype=torch.float64) if key_wise else None
+    out = mdl.compose_one_query(A.view(B, groups, M, 1, S), qt, kt, I).view(B, N, 1, S)
+    key_args = (kt[..., :I, :], kt[..., I : 2 * I, :], kt[..., 2 * I, :]) if key_wise else ()
+    ref = oracle_compose(A, qt[..., :I, :], qt[..., I : 2 * I, :], qt[..., 2 * I, :], *key_args)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)

@@ -75,7 +75,7 @@ def test_local_layer_never_builds_a_full_sequence_tensor(window, monkeypatch):
     real = mdc.attend_chunk
 
     def spy(q, k, v, qt, kt, allowed, rank, groups, **kwargs):
-        widths.append((k.shape[2], allowed.shape[-1]))
+        widths.append((k.shape[2], k.shape[2] if allowed is None else allowed.shape[-1]))
         return real(q, k, v, qt, kt, allowed, rank, groups, **kwargs)
 
     monkeypatch.setattr(mdc, "attend_chunk", spy)
