@@ -158,14 +158,17 @@ class DynamicWeightProjection(nn.Module):
         self.dd = nn.Parameter(torch.empty(D, G, C * M))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
+        B, T, D = x.shape
         G, C, I, M = self.num_groups, self.num_slots, self.rank, self.heads_per_group
-        h = F.gelu(torch.einsum("btd,dgck->btgck", x, self.dw1.to(x.dtype)))
-        w = torch.einsum("btgck,gckjm->btgcjm", h, self.qkw.to(x.dtype)).float()
+        K = self.dw1.shape[-1]
+        # plain matrix products (einsum's dispatch costs more than the products at a decode step)
+        h = F.gelu(x.reshape(B * T, D) @ self.dw1.to(x.dtype).view(D, G * C * K))  # [BT, GCK]
+        w = torch.bmm(h.view(B * T, G * C, K).transpose(0, 1), self.qkw.to(x.dtype).view(G * C, K, 2 * I * M))
+        w = w.transpose(0, 1).reshape(B, T, G, C, 2 * I, M).float()  # [B, T, G, C, 2I, M]
         w1, w2 = w[..., :I, :], w[..., I:, :]
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + DW_RMS_EPS)
-        dd = torch.tanh(torch.einsum("btd,dgm->btgm", x, self.dd.to(x.dtype)).float()).view(B, T, G, C, 1, M)
-        return torch.cat((w1, w2, dd), dim=4)
+        diag = torch.tanh((x.reshape(B * T, D) @ self.dd.to(x.dtype).view(D, G * C * M)).float())
+        return torch.cat((w1, w2, diag.view(B, T, G, C, 1, M)), dim=4)
 
 
 def compose(
