@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 .PHONY: install demo test bench
 
 install:
-	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q "torch>=2.4,<3"
+	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q "torch>=2.5,<3"
 	$(PY) -m pip install -q -e ".[test,eval]"
 
 demo: install

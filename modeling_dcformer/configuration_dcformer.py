@@ -64,7 +64,9 @@ class DCFormerConfig(PreTrainedConfig):
         dynamic_hidden_size (`int`, *optional*): width K of the dynamic-weight MLP per group and slot,
             `4 * num_attention_heads / num_head_groups` when not given.
         attention_chunk_size (`int`, defaults to 512): queries processed at a time by the attention, bounding its
-            memory to (heads x chunk x visible keys).
+            memory to (heads x chunk x visible keys). Local layers use chunks of at most
+            max(64, window_size // 2) queries, so that the keys a chunk touches (chunk + window - 1) stay close to
+            the window band.
         attention_recompute (`bool`, defaults to `True`): in training, recompute each chunk's attention in the
             backward pass instead of keeping its (heads x chunk x keys) intermediates.
         dcmha_implementation (`str`, defaults to `"auto"`): how a chunk of attention is computed; every choice gives

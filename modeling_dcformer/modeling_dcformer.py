@@ -267,6 +267,8 @@ def attend_chunk(
     """
     B, N, c, Dh = q.shape
     s = k.shape[2]
+    if query_terms is None and not need_probs:  # plain multi-head attention: SDPA's fused kernel
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2), None  # empty rows: 0
     G, M = num_groups, N // num_groups
     compose_fn = compose_pointwise if pointwise else compose_one_query if c == 1 else compose
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * Dh**-0.5  # [B, N, c, s]
@@ -293,9 +295,12 @@ def attend_chunk(
     return out, (probs if need_probs else None)
 
 
-# "auto" compiles a chunk when its score tensor has at least this many elements (heads x queries x keys):
-# below it, eager ops are as fast and no compilation is paid.
+# "auto" compiles an attention call whose chunks compute at least this many scores in all (heads x queries x
+# keys each chunk sees): below it, eager ops are as fast and no compilation is paid.
 AUTO_COMPILE_MIN_SCORES = 1 << 20
+# Local layers take chunks of at most max(LOCAL_CHUNK_MIN, window // 2) queries: a chunk of c queries touches
+# c + window - 1 keys, so the scores computed are within 1.5x of the window band (3x with c = 512, window 256).
+LOCAL_CHUNK_MIN = 64
 _compiled_attend_chunk = None
 _compile_failed = False
 
@@ -347,7 +352,7 @@ def run_chunk(chunk_fn: Callable, args: tuple, kwargs: dict, recompute: bool):
 
 
 def resolve_dcmha_implementation(implementation: str, device: torch.device, num_scores: int) -> str:
-    """The implementation a chunk of `num_scores` (heads x queries x keys) scores runs with."""
+    """The implementation an attention call computing `num_scores` scores (heads x queries x keys) runs with."""
     if torch.compiler.is_compiling():
         return "pointwise"  # already inside torch.compile: the enclosing graph fuses the pointwise form
     if implementation == "auto":
@@ -392,6 +397,16 @@ def dcmha_attention(
     """
     B, N, T, Dh = query.shape
     S = key.shape[2]
+    if query_terms is None and not output_attentions and window_size is None and key_padding_mask is None:
+        # plain causal attention (use_dcmha=False): one SDPA call, causal by its own flag, no mask built
+        if T == 1 or (T == S and query_start == key_start):
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=T > 1)
+            return out.transpose(1, 2), None
+    if window_size is not None:
+        chunk_size = min(chunk_size, max(LOCAL_CHUNK_MIN, window_size // 2))
+    # the scores of the whole call (heads x queries x keys each chunk sees) decide "auto", not one chunk's
+    keys_seen = S if window_size is None else min(S, chunk_size + window_size - 1)
+    impl = resolve_dcmha_implementation(implementation, query.device, N * T * keys_seen)
     outputs = []
     probs_all = query.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
     for t0 in range(0, T, chunk_size):
@@ -423,7 +438,6 @@ def dcmha_attention(
             num_groups,
         )
         chunk_fn, kwargs = attend_chunk, dict(need_probs=output_attentions)
-        impl = resolve_dcmha_implementation(implementation, query.device, N * (t1 - t0) * (s1 - s0))
         if impl == "pointwise":
             kwargs["pointwise"] = True
         elif impl == "compiled" and query_terms is not None:
@@ -434,6 +448,7 @@ def dcmha_attention(
             if implementation != "auto" or chunk_fn is not compiled_attend_chunk:
                 raise
             disable_auto_compile(err)
+            impl = "eager"
             out, probs = run_chunk(attend_chunk, args, kwargs, recompute and not output_attentions)
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = probs

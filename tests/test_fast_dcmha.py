@@ -159,8 +159,8 @@ def test_auto_picks_by_size_and_device(monkeypatch):
     assert not mdl.compile_supported(torch.device("meta"))
 
 
-def test_auto_sends_big_chunks_to_the_compiled_path(monkeypatch):
-    """With "auto", a model whose chunks reach the threshold calls the compiled chunk, a small one does not."""
+def test_auto_sends_big_calls_to_the_compiled_path(monkeypatch):
+    """With "auto", an attention call whose scores reach the threshold runs compiled chunks, a small one does not."""
     calls = []
 
     def fake_compiled(*args, **kwargs):

@@ -12,6 +12,7 @@ def make_model(**overrides):
     kwargs = dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
         attention_chunk_size=16,
+        dcmha_implementation="eager",  # what autograd saves is the eager path's; "auto" may compile at T=512
     )
     kwargs.update(overrides)
     torch.manual_seed(0)
@@ -84,3 +85,24 @@ def test_local_layer_never_builds_a_full_sequence_tensor(window, monkeypatch):
         model(torch.randint(0, 64, (1, T)))
     assert len(widths) == T // chunk
     assert max(max(w) for w in widths) <= chunk + window - 1
+
+
+def test_local_layer_chunks_stay_near_the_window_band(monkeypatch):
+    """A local layer takes chunks of at most max(64, window // 2) queries whatever attention_chunk_size says, so the
+    scores it computes stay within 1.5x of the window band (512-query chunks against a 200-key window: 3.5x)."""
+    T, window = 300, 200
+    shapes = []
+    real = mdc.attend_chunk
+
+    def spy(q, k, *args, **kwargs):
+        shapes.append((q.shape[2], k.shape[2]))
+        return real(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(mdc, "attend_chunk", spy)
+    model = make_model(window_size=window, window_type="LG", num_hidden_layers=2, attention_chunk_size=512).eval()
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, T)))
+    local, global_ = shapes[:3], shapes[3:]
+    assert [c for c, _ in local] == [100, 100, 100]
+    assert max(s for _, s in local) == 100 + window - 1
+    assert global_ == [(T, T)]  # the global layer keeps one 300-query chunk

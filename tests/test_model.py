@@ -35,6 +35,8 @@ BODIES = {
         mlp_bias=False,
         partial_rotary_factor=1.0,
     ),
+    # composition off: plain multi-head attention through SDPA (its own code paths: one causal call, masked chunks)
+    "plain-LG-w3": dict(window_size=3, window_type="LG", use_dcmha=False),
 }
 body_params = pytest.mark.parametrize("body", list(BODIES), ids=list(BODIES))
 
@@ -265,6 +267,8 @@ CACHE_BODIES = {
     "LG-w3-qknorm": dict(window_size=3, window_type="LG", use_qk_norm=True),
     "LGLL-w3-qknorm": dict(window_size=3, window_type="LGLL", num_hidden_layers=4, use_qk_norm=True),
     "LG-w3-querywise": dict(window_size=3, window_type="LG", query_wise=True),
+    "plain-global": dict(use_dcmha=False),
+    "plain-LG-w3": dict(window_size=3, window_type="LG", use_dcmha=False),
 }
 
 
@@ -281,7 +285,7 @@ def check_cache_layout(cache, config, batch, seen):
             assert kept == seen
         assert layer.values.shape[-2] == kept
         terms = layer.key_terms
-        if config.query_wise:
+        if config.query_wise or not config.use_dcmha:
             assert terms is None
             continue
         assert terms.shape[:2] == (batch, kept)
