@@ -434,8 +434,8 @@ def profile_dcformer_prefill(dc_cfg: DCFormerConfig, opts: dict, rows: int = 18)
 # Report
 # ------------------------------------------------------------------------------------------------------------
 def fmt_ratio(x: float) -> str:
-    """A ratio as "1.23x"; "n/a" where the baseline measured nothing (0 MiB: a tiny model's step can fit in
-    memory the process already holds)."""
+    """A ratio as "1.23x"; "n/a" where the baseline measured nothing (shown as 0 MiB: a tiny model's step can fit
+    in memory the process already holds)."""
     return "n/a" if math.isnan(x) else f"{x:.2f}x"
 
 
@@ -481,7 +481,8 @@ def sweep_point(seq_len: int, args, dc_cfg: DCFormerConfig, opts: dict) -> dict:
                            peak_mib=memory["peak_bytes"] / MIB, memory_method=memory["memory_method"])
     base, dc = point["baseline"], point["dcformer"]
     point["time_ratio"] = dc["step_s"] / base["step_s"]
-    point["memory_ratio"] = dc["peak_mib"] / base["peak_mib"] if base["peak_mib"] else float("nan")
+    # n/a over a baseline that rounds to 0.0 MiB in the table (a tiny model's step can fit in held memory)
+    point["memory_ratio"] = dc["peak_mib"] / base["peak_mib"] if round(base["peak_mib"], 1) else float("nan")
     return point
 
 
@@ -660,7 +661,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     say("| --- | ---: | ---: | ---: |")
     table = []
     for label, bv, dv, fmt in rows:
-        ratio = dv / bv if bv else float("nan")
+        ratio = dv / bv if float(fmt.format(bv)) else float("nan")  # n/a over a baseline shown as 0
         table.append(dict(metric=label, baseline=bv, dcformer=dv, ratio=ratio))
         say(f"| {label} | {fmt.format(bv)} | {fmt.format(dv)} | {fmt_ratio(ratio)} |")
     say()
