@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-lens", default="1024", help="comma-separated T values")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--window", type=int, default=None, help="make the layer local with this window")
-    p.add_argument("--chunk", type=int, default=512, help="attention_chunk_size")
+    p.add_argument("--chunk", type=int, default=DCFormerConfig.attention_chunk_size, help="attention_chunk_size (default: the config's)")
     p.add_argument("--implementations", default="eager,compiled")
     p.add_argument("--phases", default="forward,fwd+bwd")
     p.add_argument("--repeats", type=int, default=5)

@@ -295,6 +295,77 @@ def attend_chunk(
     return out, (probs if need_probs else None)
 
 
+def compose_hidden(scores: torch.Tensor, terms: torch.Tensor, rank: int, key_wise: bool) -> torch.Tensor:
+    """The low-rank hidden values of Compose: sum_n A[n,t,s] w1[i,n] (w1 of the query at t, or of the key at s
+    when `key_wise`). scores: [B, G, M, T, S]; terms: [B, T or S, G, 2I+1, M]. Returns [B, G, I, T, S]."""
+    w1 = terms.permute(0, 2, 3, 4, 1)[:, :, :rank]  # [B, G, I, M, T or S]
+    return (scores.unsqueeze(2) * (w1.unsqueeze(-2) if key_wise else w1.unsqueeze(-1))).sum(3)
+
+
+def compose_apply(
+    scores: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    hidden_q: torch.Tensor,
+    hidden_k: torch.Tensor | None,
+    rank: int,
+) -> torch.Tensor:
+    """The rest of Compose once the hidden values are known: A (1 + qdd + kdd) + sum_i hidden_i w2_i."""
+    I = rank
+    qt = query_terms.permute(0, 2, 3, 4, 1)  # [B, G, 2I+1, M, T]
+    out = scores * (1 + qt[:, :, 2 * I].unsqueeze(-1)) + (qt[:, :, I : 2 * I].unsqueeze(-1) * hidden_q.unsqueeze(3)).sum(2)
+    if key_terms is not None:
+        kt = key_terms.permute(0, 2, 3, 4, 1)  # [B, G, 2I+1, M, S]
+        out = out + scores * kt[:, :, 2 * I].unsqueeze(-2) + (kt[:, :, I : 2 * I].unsqueeze(-2) * hidden_k.unsqueeze(3)).sum(2)
+    return out
+
+
+def attend_chunk_staged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    rank: int,
+    num_groups: int,
+    need_probs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`attend_chunk` written for torch.compile ("compiled"): the same numbers, in stages separated by graph
+    breaks, so that Inductor writes each stage's result once (the Compose hidden values, the composed scores,
+    the probabilities) instead of recomputing it inside the next stage's loops (each output head re-deriving the
+    hidden values, each softmax pass the composed scores). The mask comes as floats, which Inductor vectorises
+    (a bool mask made the softmax 4x slower): bias [.., c, s] is 0 where a key is visible and the most negative
+    float elsewhere (score + bias rounds to exactly that float, as masked_fill would give), keep is 1 / 0.
+    Arguments otherwise as `attend_chunk`; in eager mode the graph breaks do nothing.
+    """
+    B, N, c, Dh = q.shape
+    s = k.shape[2]
+    G, M = num_groups, N // num_groups
+    # written out without a loop: Dynamo resumes after a graph break at the top level, not inside a loop body
+    pre_q, post_q = query_terms[:, :, :, 0], query_terms[:, :, :, 1]
+    pre_k = key_terms[:, :, :, 0] if key_terms is not None else None
+    post_k = key_terms[:, :, :, 1] if key_terms is not None else None
+    scores = (torch.matmul(q, k.transpose(-1, -2)).float() * Dh**-0.5).view(B, G, M, c, s)
+    hidden_q = compose_hidden(scores, pre_q, rank, key_wise=False)
+    hidden_k = compose_hidden(scores, pre_k, rank, key_wise=True) if pre_k is not None else None
+    torch._dynamo.graph_break()
+    scores = compose_apply(scores, pre_q, pre_k, hidden_q, hidden_k, rank).view(B, N, c, s)
+    torch._dynamo.graph_break()
+    probs = torch.softmax(scores if bias is None else scores + bias, dim=-1).view(B, G, M, c, s)
+    torch._dynamo.graph_break()
+    hidden_q = compose_hidden(probs, post_q, rank, key_wise=False)
+    hidden_k = compose_hidden(probs, post_k, rank, key_wise=True) if post_k is not None else None
+    torch._dynamo.graph_break()
+    probs = compose_apply(probs, post_q, post_k, hidden_q, hidden_k, rank).view(B, N, c, s)
+    if keep is not None:
+        probs = probs * keep  # rows with no visible key (padding) stay finite
+    torch._dynamo.graph_break()
+    out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+    return out, (probs if need_probs else None)
+
+
 # "auto" compiles an attention call whose chunks compute at least this many scores in all (heads x queries x
 # keys each chunk sees): below it, eager ops are as fast and no compilation is paid.
 AUTO_COMPILE_MIN_SCORES = 1 << 20
@@ -315,23 +386,27 @@ def compile_supported(device: torch.device) -> bool:
 
 
 def compiled_attend_chunk(q, k, v, query_terms, key_terms, allowed, *args, **kwargs):
-    """`attend_chunk` with pointwise Compose, through torch.compile. The chunk and key lengths are marked
+    """`attend_chunk` through torch.compile, as `attend_chunk_staged` (same arguments as `attend_chunk`; the bool
+    mask becomes the float bias and keep here, outside the compiled code). The chunk and key lengths are marked
     dynamic (one compilation serves every chunk); heads, head size and ranks stay static so that the generated
     loops over them are unrolled and vectorised."""
     global _compiled_attend_chunk
     if _compiled_attend_chunk is None:
-        _compiled_attend_chunk = torch.compile(attend_chunk)
+        _compiled_attend_chunk = torch.compile(attend_chunk_staged)
     q, k, v, query_terms = q.contiguous(), k.contiguous(), v.contiguous(), query_terms.contiguous()
     for tensor, dim in ((q, 2), (k, 2), (v, 2), (query_terms, 1)):
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    bias = keep = None
     if allowed is not None:
-        allowed = allowed.contiguous()
-        torch._dynamo.maybe_mark_dynamic(allowed, -2)
-        torch._dynamo.maybe_mark_dynamic(allowed, -1)
+        keep = allowed.to(torch.float32).contiguous()
+        bias = torch.zeros_like(keep).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        for tensor in (bias, keep):
+            torch._dynamo.maybe_mark_dynamic(tensor, -2)
+            torch._dynamo.maybe_mark_dynamic(tensor, -1)
     if key_terms is not None:
         key_terms = key_terms.contiguous()
         torch._dynamo.maybe_mark_dynamic(key_terms, 1)
-    return _compiled_attend_chunk(q, k, v, query_terms, key_terms, allowed, *args, pointwise=True, **kwargs)
+    return _compiled_attend_chunk(q, k, v, query_terms, key_terms, bias, keep, *args, **kwargs)
 
 
 def disable_auto_compile(err: Exception) -> None:

@@ -31,7 +31,7 @@ def aot_eager_compile(monkeypatch):
     """The "compiled" implementation through torch.compile's `aot_eager` backend: the same tracing, dynamic
     shapes and autograd as with Inductor, without generating C++ (seconds instead of a minute)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(mdl, "_compiled_attend_chunk", torch.compile(mdl.attend_chunk, backend="aot_eager"))
+    monkeypatch.setattr(mdl, "_compiled_attend_chunk", torch.compile(mdl.attend_chunk_staged, backend="aot_eager"))
     yield
     torch._dynamo.reset()
 
@@ -227,3 +227,24 @@ def test_compose_one_query_matches_oracle(key_wise, groups):
     key_args = (kt[..., :I, :], kt[..., I : 2 * I, :], kt[..., 2 * I, :]) if key_wise else ()
     ref = oracle_compose(A, qt[..., :I, :], qt[..., I : 2 * I, :], qt[..., 2 * I, :], *key_args)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("key_wise", [True, False])
+def test_staged_chunk_with_float_mask_equals_attend_chunk(key_wise):
+    """`attend_chunk_staged` (what "compiled" compiles: stages, float bias/keep mask) gives `attend_chunk`'s
+    numbers in eager mode, rows with no visible key (padding) included, and its probabilities."""
+    B, N, c, s, Dh, G, I = 2, 4, 3, 6, 8, 2, 2
+    M = N // G
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, N, n, Dh, generator=gen, dtype=torch.float32) for n in (c, s, s))
+    qt = torch.randn(B, c, G, 2, 2 * I + 1, M, generator=gen, dtype=torch.float32)
+    kt = torch.randn(B, s, G, 2, 2 * I + 1, M, generator=gen, dtype=torch.float32) if key_wise else None
+    allowed = (torch.arange(s)[None, :] <= torch.arange(3, 3 + c)[:, None])[None, None].repeat(B, 1, 1, 1)
+    allowed[1, :, 0] = False  # a padded query: no visible key
+    keep = allowed.to(torch.float32)
+    bias = torch.zeros_like(keep).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    out, probs = mdl.attend_chunk(q, k, v, qt, kt, allowed, I, G)
+    out2, probs2 = mdl.attend_chunk_staged(q, k, v, qt, kt, bias, keep, I, G)
+    torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(probs2, probs, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(out2).all()
