@@ -210,7 +210,8 @@ def compose_one_query(
     matrix per group, diag(1 + qdd) + qw2^T qw1, applied with one matmul; the key-wise terms are per-key
     products and sums over the M heads. Same arguments, same result."""
     I = rank
-    qw1, qw2, qdd = query_terms[:, 0, :, :I], query_terms[:, 0, :, I : 2 * I], query_terms[:, 0, :, 2 * I]  # [B, G, ., M]
+    qt = query_terms[:, 0]  # [B, G, 2I+1, M]
+    qw1, qw2, qdd = qt[:, :, :I], qt[:, :, I : 2 * I], qt[:, :, 2 * I]
     mix = qw2.transpose(-1, -2) @ qw1 + torch.diag_embed(1 + qdd)  # [B, G, M, M]: out_m = sum_n mix[m, n] A_n
     out = (mix @ scores.squeeze(3)).unsqueeze(3)  # [B, G, M, 1, S]
     if key_terms is not None:
@@ -313,10 +314,12 @@ def compose_apply(
     """The rest of Compose once the hidden values are known: A (1 + qdd + kdd) + sum_i hidden_i w2_i."""
     I = rank
     qt = query_terms.permute(0, 2, 3, 4, 1)  # [B, G, 2I+1, M, T]
-    out = scores * (1 + qt[:, :, 2 * I].unsqueeze(-1)) + (qt[:, :, I : 2 * I].unsqueeze(-1) * hidden_q.unsqueeze(3)).sum(2)
+    out = scores * (1 + qt[:, :, 2 * I].unsqueeze(-1))
+    out = out + (qt[:, :, I : 2 * I].unsqueeze(-1) * hidden_q.unsqueeze(3)).sum(2)
     if key_terms is not None:
         kt = key_terms.permute(0, 2, 3, 4, 1)  # [B, G, 2I+1, M, S]
-        out = out + scores * kt[:, :, 2 * I].unsqueeze(-2) + (kt[:, :, I : 2 * I].unsqueeze(-2) * hidden_k.unsqueeze(3)).sum(2)
+        out = out + scores * kt[:, :, 2 * I].unsqueeze(-2)
+        out = out + (kt[:, :, I : 2 * I].unsqueeze(-2) * hidden_k.unsqueeze(3)).sum(2)
     return out
 
 

@@ -163,7 +163,7 @@ def test_auto_sends_big_calls_to_the_compiled_path(monkeypatch):
     """With "auto", an attention call whose scores reach the threshold runs compiled chunks, a small one does not."""
     calls = []
 
-    def fake_compiled(*args, **kwargs):
+    def fake_compiled(*args, padded=True, **kwargs):
         calls.append(args[0].shape)
         return mdl.attend_chunk(*args, **kwargs)
 
@@ -248,3 +248,11 @@ def test_staged_chunk_with_float_mask_equals_attend_chunk(key_wise):
     torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(probs2, probs, rtol=1e-6, atol=1e-6)
     assert torch.isfinite(out2).all()
+    # without padding every query sees a key (itself): no keep pass, and masked keys still get exactly 0
+    allowed[1, :, 0] = allowed[0, :, 0]
+    bias = torch.zeros_like(keep).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    out, probs = mdl.attend_chunk(q, k, v, qt, kt, allowed, I, G)
+    out2, probs2 = mdl.attend_chunk_staged(q, k, v, qt, kt, bias, None, I, G)
+    torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)
+    assert (probs2[~allowed.expand_as(probs2)] == 0).all()
+    torch.testing.assert_close(probs2, probs, rtol=1e-6, atol=1e-6)
