@@ -71,9 +71,10 @@ class DCFormerConfig(PreTrainedConfig):
         attention_recompute (`bool`, defaults to `True`): in training, recompute each chunk's attention in the
             backward pass instead of keeping its (heads x chunk x keys) intermediates.
         dcmha_implementation (`str`, defaults to `"auto"`): how a chunk of attention is computed; every choice gives
-            the same numbers (to float rounding). `"eager"`: PyTorch ops, one at a time. `"compiled"`: the chunk
-            (scores, both Compose steps, mask, softmax, output) through `torch.compile`, in stages that each become
-            one generated loop over the scores; the first call of each kind compiles (seconds).
+            the same numbers (to float rounding). `"eager"`: PyTorch ops, one at a time. `"compiled"`: each Compose
+            step (with the mask) as two stages through `torch.compile`, each one generated loop over the scores; the
+            matrix products and the softmax are PyTorch's own kernels; the first call of each kind compiles
+            (seconds).
             `"auto"`: `"compiled"` for attention calls big enough to pay for it (prefill and training at real sizes)
             on a device torch.compile can generate code for (CPU with a C++ compiler, CUDA with Triton), else `"eager"`;
             if compiling fails, a warning and `"eager"` from then on.

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.fx.experimental._config
 import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
@@ -296,11 +297,17 @@ def attend_chunk(
     return out, (probs if need_probs else None)
 
 
-def compose_hidden(scores: torch.Tensor, terms: torch.Tensor, rank: int, key_wise: bool) -> torch.Tensor:
+def compose_hidden(scores: torch.Tensor, w1: torch.Tensor, key_wise: bool) -> torch.Tensor:
     """The low-rank hidden values of Compose: sum_n A[n,t,s] w1[i,n] (w1 of the query at t, or of the key at s
-    when `key_wise`). scores: [B, G, M, T, S]; terms: [B, T or S, G, 2I+1, M]. Returns [B, G, I, T, S]."""
-    w1 = terms.permute(0, 2, 3, 4, 1)[:, :, :rank]  # [B, G, I, M, T or S]
-    return (scores.unsqueeze(2) * (w1.unsqueeze(-2) if key_wise else w1.unsqueeze(-1))).sum(3)
+    when `key_wise`). scores: [B, G, M, T, S]; w1: [B, G, I, M, T or S] (time last). Returns [B, G, I, T, S].
+    Written as a sum of M products (M is static): elementwise work that Inductor vectorises along the keys; as a
+    `.sum()` over heads it became a reduction loop twice as slow once the lengths are dynamic."""
+    hidden = None
+    for n in range(scores.shape[2]):
+        w = w1[:, :, :, n].unsqueeze(-2) if key_wise else w1[:, :, :, n].unsqueeze(-1)
+        term = scores[:, :, n].unsqueeze(2) * w
+        hidden = term if hidden is None else hidden + term
+    return hidden
 
 
 def compose_apply(
@@ -311,16 +318,84 @@ def compose_apply(
     hidden_k: torch.Tensor | None,
     rank: int,
 ) -> torch.Tensor:
-    """The rest of Compose once the hidden values are known: A (1 + qdd + kdd) + sum_i hidden_i w2_i."""
+    """The rest of Compose once the hidden values are known: A (1 + qdd + kdd) + sum_i hidden_i w2_i.
+    query_terms: [B, G, 2I+1, M, T], key_terms: [B, G, 2I+1, M, S] (time last)."""
     I = rank
-    qt = query_terms.permute(0, 2, 3, 4, 1)  # [B, G, 2I+1, M, T]
-    out = scores * (1 + qt[:, :, 2 * I].unsqueeze(-1))
-    out = out + (qt[:, :, I : 2 * I].unsqueeze(-1) * hidden_q.unsqueeze(3)).sum(2)
+    out = scores * (1 + query_terms[:, :, 2 * I].unsqueeze(-1))
+    for i in range(I):
+        out = out + query_terms[:, :, I + i].unsqueeze(-1) * hidden_q[:, :, i].unsqueeze(2)
     if key_terms is not None:
-        kt = key_terms.permute(0, 2, 3, 4, 1)  # [B, G, 2I+1, M, S]
-        out = out + scores * kt[:, :, 2 * I].unsqueeze(-2)
-        out = out + (kt[:, :, I : 2 * I].unsqueeze(-2) * hidden_k.unsqueeze(3)).sum(2)
+        out = out + scores * key_terms[:, :, 2 * I].unsqueeze(-2)
+        for i in range(I):
+            out = out + key_terms[:, :, I + i].unsqueeze(-2) * hidden_k[:, :, i].unsqueeze(2)
     return out
+
+
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window_size: int | None) -> torch.Tensor:
+    """[c, s] bool: the query at absolute position q_pos[t] sees the key at k_pos[s] (causal, within the window)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window_size is not None:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window_size)
+    return allowed
+
+
+def stage_hidden(
+    scores: torch.Tensor, query_terms: torch.Tensor, key_terms: torch.Tensor | None, scale: float, rank: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stage of `attend_chunk_staged`: the hidden values of one Compose, of `scores * scale` ([B, G, M, c, s])."""
+    hidden_q = compose_hidden(scores * scale, query_terms[:, :, :rank], key_wise=False)
+    hidden_k = None if key_terms is None else compose_hidden(scores * scale, key_terms[:, :, :rank], key_wise=True)
+    return hidden_q, hidden_k
+
+
+def stage_apply(
+    scores: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    hidden_q: torch.Tensor,
+    hidden_k: torch.Tensor | None,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    window_size: int | None,
+    scale: float,
+    fill: float | None,
+    rank: int,
+) -> torch.Tensor:
+    """Stage of `attend_chunk_staged`: one Compose of `scores * scale` finished, its masked entries set to `fill`
+    (None: left as they are). Returns [B, N, c, s]."""
+    B, G, M, c, s = scores.shape
+    out = compose_apply(scores * scale, query_terms, key_terms, hidden_q, hidden_k, rank).view(B, G * M, c, s)
+    if fill is not None:
+        allowed = visible_keys(q_pos, k_pos, window_size)[None, None]  # [1, 1, c, s], from indices: no mask read
+        if key_padding_mask is not None:
+            allowed = allowed & key_padding_mask[:, None, None, :]
+        out = out.masked_fill(~allowed, fill)
+    return out
+
+
+_compiled_stages: dict = {}
+COMPILE_BACKEND = "inductor"  # the tests swap in "aot_eager" (same tracing and autograd, no C++ to build)
+
+
+def compiled_stage(fn: Callable) -> Callable:
+    """`fn` through torch.compile, compiled once per process. Every graph of a stage must be the one its inputs
+    select, in the forward pass and in the recomputation of a checkpointed chunk alike; a later, more general
+    graph must never shadow an earlier one. So the lengths marked dynamic are dynamic from the first call, and
+    nothing else becomes dynamic later: no automatic dynamic shapes (a new batch size, window or scale gets a
+    graph specialised to it) and no duck sizing (a chunk with as many queries as keys gets no graph of its own)."""
+    if fn not in _compiled_stages:
+        compiled = torch.compile(fn, backend=COMPILE_BACKEND)
+
+        def run(*args):
+            with (
+                torch.fx.experimental._config.patch(use_duck_shape=False),
+                torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64),
+            ):
+                return compiled(*args)
+
+        _compiled_stages[fn] = run
+    return _compiled_stages[fn]
 
 
 def attend_chunk_staged(
@@ -329,44 +404,71 @@ def attend_chunk_staged(
     v: torch.Tensor,
     query_terms: torch.Tensor,
     key_terms: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    keep: torch.Tensor | None,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    window_size: int | None,
     rank: int,
     num_groups: int,
     need_probs: bool = True,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`attend_chunk` written for torch.compile ("compiled"): the same numbers, in stages separated by graph
-    breaks, so that Inductor writes each stage's result once (the Compose hidden values, the composed scores,
-    the probabilities) instead of recomputing it inside the next stage's loops (each output head re-deriving the
-    hidden values, each softmax pass the composed scores). The mask comes as floats, which Inductor vectorises
-    (a bool mask made the softmax 4x slower): bias [.., c, s] is 0 where a key is visible and the most negative
-    float elsewhere (score + bias rounds to exactly that float, as masked_fill would give), keep is 1 / 0.
-    Arguments otherwise as `attend_chunk`; in eager mode the graph breaks do nothing.
+    """`attend_chunk` in stages, each one generated code when `compiled` (the "compiled" implementation): the
+    same numbers. The matrix products and the softmax run as PyTorch's own kernels; the two Compose steps are
+    each two compiled stages, the hidden values (`stage_hidden`) then the rest (`stage_apply`): Inductor writes
+    each stage's result once. (One fused kernel re-derived the hidden values for every output head and the
+    composed scores in every softmax pass, and its softmax was slower than PyTorch's.)
+
+    Layouts are the ones the generated loops vectorise: query_terms [B, G, Cq, 2I+1, M, c] and key_terms
+    [B, G, Ck, 2I+1, M, s] have time last (the key-wise factors are contiguous along the keys). The mask is
+    computed inside the stages from the absolute positions q_pos [c] and k_pos [s] (int64), the window and
+    key_padding_mask ([B, s] bool, True for real tokens, or None): no [c, s] mask is read from memory, and the
+    scaled scores are never written (the stages scale the raw q.k products themselves).
     """
     B, N, c, Dh = q.shape
     s = k.shape[2]
     G, M = num_groups, N // num_groups
-    # written out without a loop: Dynamo resumes after a graph break at the top level, not inside a loop body
-    pre_q, post_q = query_terms[:, :, :, 0], query_terms[:, :, :, 1]
-    pre_k = key_terms[:, :, :, 0] if key_terms is not None else None
-    post_k = key_terms[:, :, :, 1] if key_terms is not None else None
-    scores = (torch.matmul(q, k.transpose(-1, -2)).float() * Dh**-0.5).view(B, G, M, c, s)
-    hidden_q = compose_hidden(scores, pre_q, rank, key_wise=False)
-    hidden_k = compose_hidden(scores, pre_k, rank, key_wise=True) if pre_k is not None else None
-    torch._dynamo.graph_break()
-    scores = compose_apply(scores, pre_q, pre_k, hidden_q, hidden_k, rank).view(B, N, c, s)
-    torch._dynamo.graph_break()
-    probs = torch.softmax(scores if bias is None else scores + bias, dim=-1).view(B, G, M, c, s)
-    torch._dynamo.graph_break()
-    hidden_q = compose_hidden(probs, post_q, rank, key_wise=False)
-    hidden_k = compose_hidden(probs, post_k, rank, key_wise=True) if post_k is not None else None
-    torch._dynamo.graph_break()
-    probs = compose_apply(probs, post_q, post_k, hidden_q, hidden_k, rank).view(B, N, c, s)
-    if keep is not None:
-        probs = probs * keep  # rows with no visible key (padding) stay finite
-    torch._dynamo.graph_break()
+    hidden_fn, apply_fn = stage_hidden, stage_apply
+    if compiled:
+        hidden_fn, apply_fn = compiled_stage(stage_hidden), compiled_stage(stage_apply)
+    mask = (q_pos, k_pos, key_padding_mask, window_size)
+    # each slot contiguous (a few numbers per token): the compiled stages see no strides to specialise on
+    pre_q, post_q = query_terms[:, :, 0].contiguous(), query_terms[:, :, 1].contiguous()
+    pre_k = key_terms[:, :, 0].contiguous() if key_terms is not None else None
+    post_k = key_terms[:, :, 1].contiguous() if key_terms is not None else None
+    scale = Dh**-0.5
+    raw = torch.matmul(q, k.transpose(-1, -2)).float().view(B, G, M, c, s)
+    if compiled:  # batch and lengths dynamic from the first call (see `compiled_stage`)
+        for tensor in (pre_q, pre_k, post_q, post_k, key_padding_mask):
+            mark_dynamic(tensor, 0, -1)
+        mark_dynamic(q_pos, 0)
+        mark_dynamic(k_pos, 0)
+        mark_dynamic(raw, 0, -2, -1)
+    hidden = hidden_fn(raw, pre_q, pre_k, scale, rank)
+    if compiled:
+        for tensor in hidden:
+            mark_dynamic(tensor, 0, -2, -1)
+    scores = apply_fn(raw, pre_q, pre_k, *hidden, *mask, scale, torch.finfo(torch.float32).min, rank)
+    probs = torch.softmax(scores, dim=-1).view(B, G, M, c, s)
+    if compiled:
+        mark_dynamic(probs, 0, -2, -1)
+    hidden = hidden_fn(probs, post_q, post_k, 1.0, rank)
+    if compiled:
+        for tensor in hidden:
+            mark_dynamic(tensor, 0, -2, -1)
+    # rows with no visible key (padding) are zeroed; without padding, masked keys are exactly 0 already
+    probs = apply_fn(probs, post_q, post_k, *hidden, *mask, 1.0, 0.0 if key_padding_mask is not None else None, rank)
     out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
     return out, (probs if need_probs else None)
+
+
+def mark_dynamic(tensor: torch.Tensor | None, *dims: int) -> None:
+    """Mark dims of a compiled stage's argument dynamic (batch, query and key lengths: one compilation serves
+    every chunk); the others (heads, head size, ranks) stay static, so that the generated loops over them are
+    unrolled and vectorised."""
+    if tensor is not None:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 # "auto" compiles an attention call whose chunks compute at least this many scores in all (heads x queries x
@@ -375,7 +477,6 @@ AUTO_COMPILE_MIN_SCORES = 1 << 20
 # Local layers take chunks of at most max(LOCAL_CHUNK_MIN, window // 2) queries: a chunk of c queries touches
 # c + window - 1 keys, so the scores computed are within 1.5x of the window band (3x with c = 512, window 256).
 LOCAL_CHUNK_MIN = 64
-_compiled_attend_chunk = None
 _compile_failed = False
 
 
@@ -388,28 +489,9 @@ def compile_supported(device: torch.device) -> bool:
     return False
 
 
-def compiled_attend_chunk(q, k, v, query_terms, key_terms, allowed, *args, **kwargs):
-    """`attend_chunk` through torch.compile, as `attend_chunk_staged` (same arguments as `attend_chunk`; the bool
-    mask becomes the float bias and keep here, outside the compiled code). The chunk and key lengths are marked
-    dynamic (one compilation serves every chunk); heads, head size and ranks stay static so that the generated
-    loops over them are unrolled and vectorised."""
-    global _compiled_attend_chunk
-    if _compiled_attend_chunk is None:
-        _compiled_attend_chunk = torch.compile(attend_chunk_staged)
-    q, k, v, query_terms = q.contiguous(), k.contiguous(), v.contiguous(), query_terms.contiguous()
-    for tensor, dim in ((q, 2), (k, 2), (v, 2), (query_terms, 1)):
-        torch._dynamo.maybe_mark_dynamic(tensor, dim)
-    bias = keep = None
-    if allowed is not None:
-        keep = allowed.to(torch.float32).contiguous()
-        bias = torch.zeros_like(keep).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-        for tensor in (bias, keep):
-            torch._dynamo.maybe_mark_dynamic(tensor, -2)
-            torch._dynamo.maybe_mark_dynamic(tensor, -1)
-    if key_terms is not None:
-        key_terms = key_terms.contiguous()
-        torch._dynamo.maybe_mark_dynamic(key_terms, 1)
-    return _compiled_attend_chunk(q, k, v, query_terms, key_terms, bias, keep, *args, **kwargs)
+def compiled_attend_chunk(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The "compiled" implementation of a chunk: `attend_chunk_staged` (same arguments) with compiled stages."""
+    return attend_chunk_staged(*args, compiled=True, **kwargs)
 
 
 def disable_auto_compile(err: Exception) -> None:
@@ -487,47 +569,73 @@ def dcmha_attention(
     impl = resolve_dcmha_implementation(implementation, query.device, N * T * keys_seen)
     outputs = []
     probs_all = query.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
+    kwargs = dict(need_probs=output_attentions)
+    recompute = recompute and not output_attentions
+    compiled = impl == "compiled" and query_terms is not None
+    if compiled:  # once per call: the layouts of `attend_chunk_staged`, which the chunks slice
+        staged = (
+            query.contiguous(),
+            key.contiguous(),
+            value.contiguous(),
+            query_terms.permute(0, 2, 3, 4, 5, 1).contiguous(),  # [B, G, Cq, 2I+1, M, T]
+            None if key_terms is None else key_terms.permute(0, 2, 3, 4, 5, 1).contiguous(),
+            torch.arange(query_start, query_start + T, device=query.device),
+            torch.arange(key_start, key_start + S, device=query.device),
+        )
+    elif impl == "pointwise":
+        kwargs["pointwise"] = True
     for t0 in range(0, T, chunk_size):
         t1 = min(T, t0 + chunk_size)
         first, last = query_start + t0, query_start + t1 - 1  # absolute indices of the chunk's queries
         s1 = min(S, last - key_start + 1)
         s0 = max(0, first - window_size + 1 - key_start) if window_size is not None else 0
-        # every query of the chunk sees every key of [s0, s1) (a decode step, for one): no mask to apply
-        sees_all = key_start + s1 - 1 <= first and (window_size is None or key_start + s0 > last - window_size)
-        if sees_all and key_padding_mask is None:
-            allowed = None
-        else:
-            q_idx = torch.arange(first, last + 1, device=query.device)
-            k_idx = torch.arange(key_start + s0, key_start + s1, device=query.device)
-            allowed = k_idx[None, :] <= q_idx[:, None]
-            if window_size is not None:
-                allowed = allowed & (k_idx[None, :] > q_idx[:, None] - window_size)
-            allowed = allowed[None, None]  # [1, 1, c, s]
-            if key_padding_mask is not None:
-                allowed = allowed & key_padding_mask[:, None, None, s0:s1]
-        args = (
-            query[:, :, t0:t1],
-            key[:, :, s0:s1],
-            value[:, :, s0:s1],
-            None if query_terms is None else query_terms[:, t0:t1],
-            None if key_terms is None else key_terms[:, s0:s1],
-            allowed,
-            rank,
-            num_groups,
-        )
-        chunk_fn, kwargs = attend_chunk, dict(need_probs=output_attentions)
-        if impl == "pointwise":
-            kwargs["pointwise"] = True
-        elif impl == "compiled" and query_terms is not None:
-            chunk_fn = compiled_attend_chunk
-        try:
-            out, probs = run_chunk(chunk_fn, args, kwargs, recompute and not output_attentions)
-        except Exception as err:  # "auto" only: a machine where torch.compile cannot build its kernels
-            if implementation != "auto" or chunk_fn is not compiled_attend_chunk:
-                raise
-            disable_auto_compile(err)
-            impl = "eager"
-            out, probs = run_chunk(attend_chunk, args, kwargs, recompute and not output_attentions)
+        out = None
+        if compiled:
+            q, k, v, qt, kt, q_pos, k_pos = staged
+            args = (
+                q[:, :, t0:t1],
+                k[:, :, s0:s1],
+                v[:, :, s0:s1],
+                qt[..., t0:t1],
+                None if kt is None else kt[..., s0:s1],
+                q_pos[t0:t1],
+                k_pos[s0:s1],
+                None if key_padding_mask is None else key_padding_mask[:, s0:s1].contiguous(),  # no strides to guard
+                window_size,
+                rank,
+                num_groups,
+            )
+            try:
+                out, probs = run_chunk(compiled_attend_chunk, args, kwargs, recompute)
+            except Exception as err:  # "auto" only: a machine where torch.compile cannot build its kernels
+                if implementation != "auto":
+                    raise
+                disable_auto_compile(err)
+                compiled = False
+        if out is None:
+            # every query of the chunk sees every key of [s0, s1) (a decode step, for one): no mask to apply
+            sees_all = key_start + s1 - 1 <= first and (
+                window_size is None or key_start + s0 > last - window_size
+            )
+            if sees_all and key_padding_mask is None:
+                allowed = None
+            else:
+                q_idx = torch.arange(first, last + 1, device=query.device)
+                k_idx = torch.arange(key_start + s0, key_start + s1, device=query.device)
+                allowed = visible_keys(q_idx, k_idx, window_size)[None, None]  # [1, 1, c, s]
+                if key_padding_mask is not None:
+                    allowed = allowed & key_padding_mask[:, None, None, s0:s1]
+            args = (
+                query[:, :, t0:t1],
+                key[:, :, s0:s1],
+                value[:, :, s0:s1],
+                None if query_terms is None else query_terms[:, t0:t1],
+                None if key_terms is None else key_terms[:, s0:s1],
+                allowed,
+                rank,
+                num_groups,
+            )
+            out, probs = run_chunk(attend_chunk, args, kwargs, recompute)
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = probs
         outputs.append(out)

@@ -31,7 +31,8 @@ def aot_eager_compile(monkeypatch):
     """The "compiled" implementation through torch.compile's `aot_eager` backend: the same tracing, dynamic
     shapes and autograd as with Inductor, without generating C++ (seconds instead of a minute)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(mdl, "_compiled_attend_chunk", torch.compile(mdl.attend_chunk_staged, backend="aot_eager"))
+    monkeypatch.setattr(mdl, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(mdl, "_compiled_stages", {})
     yield
     torch._dynamo.reset()
 
@@ -125,7 +126,7 @@ def test_inductor_model_forward_backward_matches_oracle():
     if not mdl.compile_supported(torch.device("cpu")):
         pytest.skip("no C++ compiler for Inductor")
     torch._dynamo.reset()
-    mdl._compiled_attend_chunk = None
+    mdl._compiled_stages.clear()
     config = make_config(use_qk_norm=True, window_size=4, num_hidden_layers=2, attention_chunk_size=8)
     model = build_model(config).train()
     input_ids, mask = padded_batch()
@@ -135,7 +136,7 @@ def test_inductor_model_forward_backward_matches_oracle():
     try:
         logits, grads = loss_and_grads(model, input_ids, mask)
     finally:
-        mdl._compiled_attend_chunk = None
+        mdl._compiled_stages.clear()
         torch._dynamo.reset()
     real = mask.bool()
     assert_close(logits[real], eager_logits[real])
@@ -163,19 +164,22 @@ def test_auto_sends_big_calls_to_the_compiled_path(monkeypatch):
     """With "auto", an attention call whose scores reach the threshold runs compiled chunks, a small one does not."""
     calls = []
 
-    def fake_compiled(*args, padded=True, **kwargs):
+    def fake_compiled(*args, **kwargs):
         calls.append(args[0].shape)
-        return mdl.attend_chunk(*args, **kwargs)
+        return mdl.attend_chunk_staged(*args, **kwargs)
 
     monkeypatch.setattr(mdl, "compiled_attend_chunk", fake_compiled)
     monkeypatch.setattr(mdl, "compile_supported", lambda device: True)
     monkeypatch.setattr(mdl, "AUTO_COMPILE_MIN_SCORES", 4 * 16 * 16)  # heads x queries x keys
     model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="auto"))
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        model(torch.zeros(1, 8, dtype=torch.long))
+        model(ids[:, :8])
         assert calls == []
-        model(torch.zeros(1, 16, dtype=torch.long))
-    assert len(calls) == 1
+        logits = model(ids).logits
+        assert len(calls) == 1
+        model.config.dcmha_implementation = "eager"
+        assert_close(logits, model(ids).logits)  # the staged chunk (run eagerly here) gives the same numbers
 
 
 def test_bad_implementation_is_a_clear_error():
@@ -229,30 +233,36 @@ def test_compose_one_query_matches_oracle(key_wise, groups):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("key_wise", [True, False])
-def test_staged_chunk_with_float_mask_equals_attend_chunk(key_wise):
-    """`attend_chunk_staged` (what "compiled" compiles: stages, float bias/keep mask) gives `attend_chunk`'s
-    numbers in eager mode, rows with no visible key (padding) included, and its probabilities."""
+def test_staged_chunk_equals_attend_chunk(key_wise, window):
+    """`attend_chunk_staged` (what "compiled" compiles: stages, time-last terms, the mask computed from positions)
+    gives `attend_chunk`'s numbers in eager mode, rows with no visible key (padding) included, and its
+    probabilities; without padding, masked keys get exactly 0."""
     B, N, c, s, Dh, G, I = 2, 4, 3, 6, 8, 2, 2
     M = N // G
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(B, N, n, Dh, generator=gen, dtype=torch.float32) for n in (c, s, s))
     qt = torch.randn(B, c, G, 2, 2 * I + 1, M, generator=gen, dtype=torch.float32)
     kt = torch.randn(B, s, G, 2, 2 * I + 1, M, generator=gen, dtype=torch.float32) if key_wise else None
-    allowed = (torch.arange(s)[None, :] <= torch.arange(3, 3 + c)[:, None])[None, None].repeat(B, 1, 1, 1)
-    allowed[1, :, 0] = False  # a padded query: no visible key
-    keep = allowed.to(torch.float32)
-    bias = torch.zeros_like(keep).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    out, probs = mdl.attend_chunk(q, k, v, qt, kt, allowed, I, G)
-    out2, probs2 = mdl.attend_chunk_staged(q, k, v, qt, kt, bias, keep, I, G)
-    torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(probs2, probs, rtol=1e-6, atol=1e-6)
-    assert torch.isfinite(out2).all()
-    # without padding every query sees a key (itself): no keep pass, and masked keys still get exactly 0
-    allowed[1, :, 0] = allowed[0, :, 0]
-    bias = torch.zeros_like(keep).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    out, probs = mdl.attend_chunk(q, k, v, qt, kt, allowed, I, G)
-    out2, probs2 = mdl.attend_chunk_staged(q, k, v, qt, kt, bias, None, I, G)
-    torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)
-    assert (probs2[~allowed.expand_as(probs2)] == 0).all()
-    torch.testing.assert_close(probs2, probs, rtol=1e-6, atol=1e-6)
+    q_pos, k_pos = torch.arange(3, 3 + c), torch.arange(s)  # queries at positions 3..5, keys at 0..5
+    # the mask written out by hand: causal, within the window, real keys only
+    allowed = torch.zeros(B, 1, c, s, dtype=torch.bool)
+    for t in range(c):
+        for j in range(s):
+            allowed[:, 0, t, j] = j <= 3 + t and (window is None or j > 3 + t - window)
+    pad = torch.ones(B, s, dtype=torch.bool)
+    pad[1, :5] = False  # left padding: batch 1's first query (position 3) sees no real key
+    time_last = lambda terms: None if terms is None else terms.permute(0, 2, 3, 4, 5, 1).contiguous()  # noqa: E731
+    for key_padding_mask in (pad, None):
+        mask = allowed & key_padding_mask[:, None, None, :] if key_padding_mask is not None else allowed
+        out, probs = mdl.attend_chunk(q, k, v, qt, kt, mask, I, G)
+        out2, probs2 = mdl.attend_chunk_staged(
+            q, k, v, time_last(qt), time_last(kt), q_pos, k_pos, key_padding_mask, window, I, G
+        )
+        torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(probs2, probs, rtol=1e-6, atol=1e-6)
+        assert torch.isfinite(out2).all()
+        assert (probs2[~mask.expand_as(probs2)] == 0).all()
+        if key_padding_mask is not None:
+            assert (out2[1, 0] == 0).all() and (probs2[1, :, 0] == 0).all()  # the query that sees nothing
