@@ -131,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qk-norm", choices=("on", "off"), default=None, help="override the preset's qk-norm")
     p.add_argument("--dcmha-implementation", choices=("auto", "eager", "compiled"), default=None,
                    help="DCFormerConfig.dcmha_implementation (default: the preset's, 'auto')")
+    p.add_argument("--attention-chunk-size", type=int, default=None,
+                   help="DCFormerConfig.attention_chunk_size (default: the preset's)")
     p.add_argument("--malloc", choices=("pinned", "default"), default="pinned",
                    help="memory runs: 'pinned' fixes glibc's mmap threshold at 128 KiB so that the RSS peak follows "
                         "live tensors; 'default' leaves glibc as it is (its heap then retains freed blocks of up to 32 MiB)")
@@ -187,6 +189,8 @@ def dcformer_config(args) -> DCFormerConfig:
         overrides["use_qk_norm"] = args.qk_norm == "on"
     if args.dcmha_implementation is not None:
         overrides["dcmha_implementation"] = args.dcmha_implementation
+    if args.attention_chunk_size is not None:
+        overrides["attention_chunk_size"] = args.attention_chunk_size
     max_len = max(args.seq_len, args.decode_prompt + args.decode_new, *(args.sweep_seq_lens if args.sweep else ()))
     if max_len > config.max_position_embeddings:
         overrides["max_position_embeddings"] = max_len

@@ -63,11 +63,13 @@ class DCFormerConfig(PreTrainedConfig):
         dynamic_rank (`int`, defaults to 2): rank I of each low-rank dynamic term.
         dynamic_hidden_size (`int`, *optional*): width K of the dynamic-weight MLP per group and slot,
             `4 * num_attention_heads / num_head_groups` when not given.
-        attention_chunk_size (`int`, defaults to 256): queries processed at a time by the attention, bounding its
-            memory to (heads x chunk x visible keys). 256 measured faster than 512 on a CPU (a chunk's scores stay
-            in cache; prefill 1.5x faster per layer at T=1024) at half the memory. Local layers use chunks of at most
-            max(64, window_size // 2) queries, so that the keys a chunk touches (chunk + window - 1) stay close to
-            the window band.
+        attention_chunk_size (`int`, defaults to 128): queries processed at a time by the attention, bounding its
+            memory to (heads x chunk x visible keys). Measured on a CPU (Pythia-160M shape, T=1024, "compiled"):
+            128 beats 256 (prefill attention ~10% faster, training step 1.19x instead of 1.24x GPT-NeoX's) by
+            computing fewer masked scores above the causal diagonal (12% more than the causal triangle instead of
+            25%) with the scores in cache; 64 is slower again (per-chunk overhead). Local layers use chunks of at
+            most max(64, window_size // 2) queries, so that the keys a chunk touches (chunk + window - 1) stay close
+            to the window band.
         attention_recompute (`bool`, defaults to `True`): in training, recompute each chunk's attention in the
             backward pass instead of keeping its (heads x chunk x keys) intermediates.
         dcmha_implementation (`str`, defaults to `"auto"`): how a chunk of attention is computed; every choice gives
@@ -121,7 +123,7 @@ class DCFormerConfig(PreTrainedConfig):
     num_head_groups: int = 1
     dynamic_rank: int = 2
     dynamic_hidden_size: int | None = None
-    attention_chunk_size: int = 256
+    attention_chunk_size: int = 128
     attention_recompute: bool = True
     dcmha_implementation: str = "auto"
 

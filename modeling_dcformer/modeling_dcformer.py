@@ -432,10 +432,11 @@ def attend_chunk_staged(
     if compiled:
         hidden_fn, apply_fn = compiled_stage(stage_hidden), compiled_stage(stage_apply)
     mask = (q_pos, k_pos, key_padding_mask, window_size)
-    # each slot contiguous (a few numbers per token): the compiled stages see no strides to specialise on
-    pre_q, post_q = query_terms[:, :, 0].contiguous(), query_terms[:, :, 1].contiguous()
-    pre_k = key_terms[:, :, 0].contiguous() if key_terms is not None else None
-    post_k = key_terms[:, :, 1].contiguous() if key_terms is not None else None
+    # each slot copied to standard strides (a few numbers per token; `.contiguous()` keeps odd strides on size-1
+    # dims): the compiled stages see no strides to specialise on
+    pre_q, post_q = packed(query_terms[:, :, 0]), packed(query_terms[:, :, 1])
+    pre_k = packed(key_terms[:, :, 0]) if key_terms is not None else None
+    post_k = packed(key_terms[:, :, 1]) if key_terms is not None else None
     scale = Dh**-0.5
     raw = torch.matmul(q, k.transpose(-1, -2)).float().view(B, G, M, c, s)
     if compiled:  # batch and lengths dynamic from the first call (see `compiled_stage`)
@@ -462,13 +463,18 @@ def attend_chunk_staged(
     return out, (probs if need_probs else None)
 
 
+def packed(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` with standard (row-major) strides."""
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def mark_dynamic(tensor: torch.Tensor | None, *dims: int) -> None:
     """Mark dims of a compiled stage's argument dynamic (batch, query and key lengths: one compilation serves
     every chunk); the others (heads, head size, ranks) stay static, so that the generated loops over them are
     unrolled and vectorised."""
     if tensor is not None:
         for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())  # a negative dim would be ignored
 
 
 # "auto" compiles an attention call whose chunks compute at least this many scores in all (heads x queries x
@@ -600,7 +606,7 @@ def dcmha_attention(
                 None if kt is None else kt[..., s0:s1],
                 q_pos[t0:t1],
                 k_pos[s0:s1],
-                None if key_padding_mask is None else key_padding_mask[:, s0:s1].contiguous(),  # no strides to guard
+                None if key_padding_mask is None else packed(key_padding_mask[:, s0:s1]),  # no strides to guard
                 window_size,
                 rank,
                 num_groups,

@@ -266,3 +266,35 @@ def test_staged_chunk_equals_attend_chunk(key_wise, window):
         assert (probs2[~mask.expand_as(probs2)] == 0).all()
         if key_padding_mask is not None:
             assert (out2[1, 0] == 0).all() and (probs2[1, :, 0] == 0).all()  # the query that sees nothing
+
+
+def test_compiled_stages_do_not_recompile_for_new_lengths(aot_eager_compile):
+    """The stages are compiled for dynamic batch and lengths: a longer sequence, a different batch size or new
+    chunk and key lengths reuse the graphs (a dim marked dynamic by a negative index was once silently ignored,
+    and every key length compiled a graph of its own)."""
+    from torch._dynamo.utils import counters
+
+    G, M, I, Dh = 1, 4, 2, 8
+    N = G * M
+
+    def run(B, T):
+        gen = torch.Generator().manual_seed(T)
+        q, k, v = (torch.randn(B, N, T, Dh, generator=gen) for _ in range(3))
+        terms = torch.randn(B, T, G, 4, 2 * I + 1, M, generator=gen)
+        with torch.no_grad():
+            out, _ = mdl.dcmha_attention(
+                q, k, v, terms[:, :, :, 0::2], terms[:, :, :, 1::2], 0, 0, None, None, I, G, 8,
+                implementation="compiled",
+            )
+            ref, _ = mdl.dcmha_attention(
+                q, k, v, terms[:, :, :, 0::2], terms[:, :, :, 1::2], 0, 0, None, None, I, G, 8,
+                implementation="eager",
+            )
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+    run(2, 24)  # chunks of 8 queries against 8, 16 and 24 keys
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    run(2, 40)
+    run(3, 36)
+    assert counters["stats"]["unique_graphs"] == graphs
