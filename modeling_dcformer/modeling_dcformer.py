@@ -331,11 +331,17 @@ def compose_apply(
     return out
 
 
-def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window_size: int | None) -> torch.Tensor:
-    """[c, s] bool: the query at absolute position q_pos[t] sees the key at k_pos[s] (causal, within the window)."""
+def visible_keys(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window_size: int | None, key_padding_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """[1 or B, 1, c, s] bool: the query at absolute position q_pos[t] sees the key at k_pos[s] (causal, within the
+    window, and the key is a real token where key_padding_mask [B, s] is given)."""
     allowed = k_pos[None, :] <= q_pos[:, None]
     if window_size is not None:
         allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window_size)
+    allowed = allowed[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]
     return allowed
 
 
@@ -367,9 +373,7 @@ def stage_apply(
     B, G, M, c, s = scores.shape
     out = compose_apply(scores * scale, query_terms, key_terms, hidden_q, hidden_k, rank).view(B, G * M, c, s)
     if fill is not None:
-        allowed = visible_keys(q_pos, k_pos, window_size)[None, None]  # [1, 1, c, s], from indices: no mask read
-        if key_padding_mask is not None:
-            allowed = allowed & key_padding_mask[:, None, None, :]
+        allowed = visible_keys(q_pos, k_pos, window_size, key_padding_mask)  # from indices: no [c, s] mask read
         out = out.masked_fill(~allowed, fill)
     return out
 
@@ -628,9 +632,8 @@ def dcmha_attention(
             else:
                 q_idx = torch.arange(first, last + 1, device=query.device)
                 k_idx = torch.arange(key_start + s0, key_start + s1, device=query.device)
-                allowed = visible_keys(q_idx, k_idx, window_size)[None, None]  # [1, 1, c, s]
-                if key_padding_mask is not None:
-                    allowed = allowed & key_padding_mask[:, None, None, s0:s1]
+                pad = None if key_padding_mask is None else key_padding_mask[:, s0:s1]
+                allowed = visible_keys(q_idx, k_idx, window_size, pad)
             args = (
                 query[:, :, t0:t1],
                 key[:, :, s0:s1],
