@@ -12,6 +12,8 @@ What is timed, per sequence length T (batch `--batch-size`, causal, every layer 
     fwd+bwd      the same in training mode (chunks recomputed in the backward pass as the model does), loss = sum
 Each implementation is warmed up (for "compiled": compiled) before timing; the median of `--repeats` runs is
 printed with the ratio DCMHA / SDPA. The first call's time of "compiled" (the compilation) is printed apart.
+"kernel" (the C kernel, `modeling_dcformer/cpu_kernel.py`) computes no gradients: its fwd+bwd cell is "-" (a
+training step with "auto" runs "compiled").
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--window", type=int, default=None, help="make the layer local with this window")
     p.add_argument("--chunk", type=int, default=DCFormerConfig.attention_chunk_size, help="attention_chunk_size (default: the config's)")
-    p.add_argument("--implementations", default="eager,compiled")
+    p.add_argument("--implementations", default="eager,compiled,kernel")
     p.add_argument("--phases", default="forward,fwd+bwd")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: stable ratios on a shared machine)")
@@ -60,8 +62,8 @@ def parse_args(argv=None):
         p.error("--seq-lens must list positive integers")
     args.implementations = [i.strip() for i in args.implementations.split(",") if i.strip()]
     for impl in args.implementations:
-        if impl not in ("eager", "compiled"):
-            p.error(f"--implementations: unknown {impl!r} (eager, compiled)")
+        if impl not in ("eager", "compiled", "kernel"):
+            p.error(f"--implementations: unknown {impl!r} (eager, compiled, kernel)")
     args.phases = [ph.strip() for ph in args.phases.split(",") if ph.strip()]
     for ph in args.phases:
         if ph not in ("forward", "fwd+bwd"):
@@ -162,6 +164,9 @@ def main(argv=None) -> int:
             t_base = timed(base, device, args.repeats)
             cells = []
             for impl in args.implementations:
+                if impl == "kernel" and phase != "forward":
+                    cells.append("- | -")
+                    continue
                 config.dcmha_implementation = impl
                 step = make_step(dc_layer, rotary, phase, x)
                 sync(device)

@@ -129,8 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "global. Default: the preset's own setting")
     p.add_argument("--window-type", default=None, help="window pattern with --window (None: 'LG', even layers local)")
     p.add_argument("--qk-norm", choices=("on", "off"), default=None, help="override the preset's qk-norm")
-    p.add_argument("--dcmha-implementation", choices=("auto", "eager", "compiled"), default=None,
-                   help="DCFormerConfig.dcmha_implementation (default: the preset's, 'auto')")
+    p.add_argument("--dcmha-implementation", choices=("auto", "eager", "compiled", "kernel"), default=None,
+                   help="DCFormerConfig.dcmha_implementation (default: the preset's, 'auto'; 'kernel' computes no "
+                        "gradients: prefill and decode only)")
     p.add_argument("--attention-chunk-size", type=int, default=None,
                    help="DCFormerConfig.attention_chunk_size (default: the preset's)")
     p.add_argument("--malloc", choices=("pinned", "default"), default="pinned",
@@ -164,6 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.phases) - set(PHASES)
     if unknown:
         p.error(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+    if args.dcmha_implementation == "kernel" and ("train" in args.phases or args.sweep):
+        p.error("--dcmha-implementation kernel computes no gradients: use it with --phases prefill,decode")
     for name in ("seq_len", "batch_size", "decode_prompt", "decode_new", "repeats", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -32,6 +32,9 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
 from .configuration_dcformer import DCFormerConfig
+from .cpu_kernel import MAX_RANK as KERNEL_MAX_RANK
+from .cpu_kernel import compose_softmax_compose
+from .cpu_kernel import load as load_cpu_kernel
 from .released_format import IGNORED as RELEASED_IGNORED_KEYS
 from .released_format import key_renames, query_wise_slots
 
@@ -521,14 +524,105 @@ def run_chunk(chunk_fn: Callable, args: tuple, kwargs: dict, recompute: bool):
     return chunk_fn(*args, **kwargs)
 
 
-def resolve_dcmha_implementation(implementation: str, device: torch.device, num_scores: int) -> str:
-    """The implementation an attention call computing `num_scores` scores (heads x queries x keys) runs with."""
+def kernel_unsupported(query: torch.Tensor, query_terms: torch.Tensor | None, rank: int, num_groups: int) -> str | None:
+    """Why the "kernel" implementation (`cpu_kernel`) cannot compute an attention call, or None when it can."""
+    if query_terms is None:
+        return "no composition (use_dcmha=False)"
+    if query.device.type != "cpu" or query.dtype != torch.float32:
+        return f"it runs on CPU in float32, not on {query.device.type} in {query.dtype}"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, query_terms)):
+        return "it computes no gradients (training, or inputs that require grad)"
+    if rank > KERNEL_MAX_RANK:
+        return f"it supports dynamic_rank <= {KERNEL_MAX_RANK}"
+    return None
+
+
+_kernel_failed = False
+
+
+def kernel_buildable() -> bool:
+    """Whether the CPU kernel is built or can be (the first call builds it); a failure is warned about once."""
+    global _kernel_failed
+    if _kernel_failed:
+        return False
+    try:
+        load_cpu_kernel()
+        return True
+    except RuntimeError as err:
+        _kernel_failed = True
+        logger.warning(f'the DCMHA CPU kernel cannot be built ({str(err)[:300]}); "auto" does without it')
+        return False
+
+
+def resolve_dcmha_implementation(
+    implementation: str, device: torch.device, num_scores: int, kernel_problem: str | None = "not asked"
+) -> str:
+    """The implementation an attention call computing `num_scores` scores (heads x queries x keys) runs with;
+    `kernel_problem`: why the call cannot use the CPU kernel (`kernel_unsupported`), None if it can."""
     if torch.compiler.is_compiling():
         return "pointwise"  # already inside torch.compile: the enclosing graph fuses the pointwise form
+    if implementation == "kernel" and kernel_problem is not None:
+        raise ValueError(
+            f'dcmha_implementation="kernel" cannot compute this attention: {kernel_problem}. '
+            'Use "auto" (the kernel where it applies, "compiled" or "eager" elsewhere).'
+        )
     if implementation == "auto":
+        if kernel_problem is None and device.type == "cpu" and kernel_buildable():
+            return "kernel"
         big = num_scores >= AUTO_COMPILE_MIN_SCORES
         implementation = "compiled" if big and not _compile_failed and compile_supported(device) else "eager"
     return implementation
+
+
+def dcmha_attention_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    query_start: int,
+    key_start: int,
+    key_padding_mask: torch.Tensor | None,
+    window_size: int | None,
+    rank: int,
+    num_groups: int,
+    chunk_size: int,
+    probs_all: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`dcmha_attention` with the CPU kernel (forward only): per chunk, q.k into one buffer reused by every chunk,
+    `cpu_kernel.compose_softmax_compose` in place on it, then the product with v. Same arguments; `probs_all`
+    ([B, N, T, S] or None) receives the composed probabilities. Returns the output [B, T, N, Dh]."""
+    B, N, T, Dh = query.shape
+    S = key.shape[2]
+    q = query.reshape(B * N, T, Dh)  # views where they can be (batch 1): the matrix products take strides
+    k = key.reshape(B * N, S, Dh)
+    v = value.reshape(B * N, S, Dh)
+    qt = query_terms.float().permute(0, 2, 3, 4, 5, 1).contiguous()  # [B, G, 2, 2I+1, M, T]
+    kt = None if key_terms is None else key_terms.float().permute(0, 2, 3, 4, 5, 1).contiguous()
+    pad = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    spans = []
+    for t0 in range(0, T, chunk_size):
+        t1 = min(T, t0 + chunk_size)
+        first, last = query_start + t0, query_start + t1 - 1
+        s1 = min(S, last - key_start + 1)
+        s0 = max(0, first - window_size + 1 - key_start) if window_size is not None else 0
+        spans.append((t0, t1, s0, s1))
+    if not spans:
+        return query.new_zeros(B, 0, N, Dh)
+    buffer = torch.empty(max(B * N * (t1 - t0) * (s1 - s0) for t0, t1, s0, s1 in spans), dtype=torch.float32)
+    outputs = []
+    for t0, t1, s0, s1 in spans:
+        c, s = t1 - t0, s1 - s0
+        scores = buffer[: B * N * c * s].view(B * N, c, s)
+        torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2), out=scores)
+        compose_softmax_compose(
+            scores.view(B, N, c, s), qt, t0, kt, s0, pad, query_start + t0, key_start + s0, window_size,
+            Dh**-0.5, rank, num_groups,
+        )  # fmt: skip
+        outputs.append(torch.bmm(scores, v[:, s0:s1]).view(B, N, c, Dh).transpose(1, 2))
+        if probs_all is not None:
+            probs_all[:, :, t0:t1, s0:s1] = scores.view(B, N, c, s)
+    return torch.cat(outputs, dim=1)
 
 
 def dcmha_attention(
@@ -576,9 +670,13 @@ def dcmha_attention(
         chunk_size = min(chunk_size, max(LOCAL_CHUNK_MIN, window_size // 2))
     # the scores of the whole call (heads x queries x keys each chunk sees) decide "auto", not one chunk's
     keys_seen = S if window_size is None else min(S, chunk_size + window_size - 1)
-    impl = resolve_dcmha_implementation(implementation, query.device, N * T * keys_seen)
+    kernel_problem = kernel_unsupported(query, query_terms, rank, num_groups)
+    impl = resolve_dcmha_implementation(implementation, query.device, N * T * keys_seen, kernel_problem)
     outputs = []
     probs_all = query.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
+    if impl == "kernel":
+        args = (query, key, value, query_terms, key_terms, query_start, key_start, key_padding_mask, window_size)
+        return dcmha_attention_kernel(*args, rank, num_groups, chunk_size, probs_all), probs_all
     kwargs = dict(need_probs=output_attentions)
     recompute = recompute and not output_attentions
     compiled = impl == "compiled" and query_terms is not None

@@ -161,8 +161,10 @@ def test_auto_picks_by_size_and_device(monkeypatch):
 
 
 def test_auto_sends_big_calls_to_the_compiled_path(monkeypatch):
-    """With "auto", an attention call whose scores reach the threshold runs compiled chunks, a small one does not."""
+    """With "auto", an attention call whose scores reach the threshold runs compiled chunks, a small one does not
+    (without the CPU kernel, which "auto" prefers where no gradient is needed: tests/test_cpu_kernel.py)."""
     calls = []
+    monkeypatch.setattr(mdl, "kernel_buildable", lambda: False)
 
     def fake_compiled(*args, **kwargs):
         calls.append(args[0].shape)
@@ -201,6 +203,7 @@ def test_auto_falls_back_to_eager_when_compilation_fails(monkeypatch):
         raise RuntimeError("no C++ compiler worked")
 
     monkeypatch.setattr(mdl, "compiled_attend_chunk", broken)
+    monkeypatch.setattr(mdl, "kernel_buildable", lambda: False)  # no CPU kernel either
     monkeypatch.setattr(mdl, "compile_supported", lambda device: True)
     monkeypatch.setattr(mdl, "AUTO_COMPILE_MIN_SCORES", 1)
     monkeypatch.setattr(mdl, "_compile_failed", False)

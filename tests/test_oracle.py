@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, cpu_kernel
 
 from oracle import (
     gelu_exact,
@@ -245,13 +245,18 @@ WINDOW_MODES = {
 }
 
 
+@pytest.mark.parametrize("implementation", ["eager", "kernel"])
 @pytest.mark.parametrize("chunk", [1, 3, 512])
 @pytest.mark.parametrize("rank", [1, 2])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("query_wise", [False, True])
 @pytest.mark.parametrize("window_mode", list(WINDOW_MODES))
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups, rank, chunk):
+def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups, rank, chunk, implementation):
+    """Every layer's attention output (inference: "kernel" is the C kernel of tests/test_cpu_kernel.py, where a C
+    compiler is found)."""
+    if implementation == "kernel" and not cpu_kernel.available():
+        pytest.skip("no C compiler for the CPU kernel")
     window_size, window_type = WINDOW_MODES[window_mode]
     config = make_config(
         use_qk_norm=qk_norm,
@@ -261,6 +266,7 @@ def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups
         num_head_groups=groups,
         dynamic_rank=rank,
         attention_chunk_size=chunk,
+        dcmha_implementation=implementation,
     )
     model = build_model(config)
     input_ids = torch.randint(0, VOCAB, (BATCH, T_SEQ), generator=torch.Generator().manual_seed(1))
@@ -281,9 +287,15 @@ def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups
             assert max_diff(ref, oracle_dcmha_layer(x.double(), params, config, window - 1)) > MARGIN
 
 
-def test_attention_probabilities_match_oracle():
+@pytest.mark.parametrize("implementation", ["eager", "kernel"])
+def test_attention_probabilities_match_oracle(implementation):
     """output_attentions returns the post-composed probabilities (masked entries zero)."""
-    config = make_config(use_qk_norm=True, window_size=WINDOW, num_head_groups=2, attention_chunk_size=3)
+    if implementation == "kernel" and not cpu_kernel.available():
+        pytest.skip("no C compiler for the CPU kernel")
+    config = make_config(
+        use_qk_norm=True, window_size=WINDOW, num_head_groups=2, attention_chunk_size=3,
+        dcmha_implementation=implementation,
+    )  # fmt: skip
     model = build_model(config)
     x = torch.randn(BATCH, T_SEQ, config.hidden_size, generator=torch.Generator().manual_seed(2))
     for idx in (0, 1):  # local, global
