@@ -347,6 +347,16 @@ def rows_per_tile(num_heads_per_group: int, keys: int, budget_floats: int = 1 <<
     return max(1, min(64, budget_floats // max(1, num_heads_per_group * keys)))
 
 
+# below this many scores a chunk runs on the calling thread: waking the kernel's OpenMP threads (a runtime of its
+# own, beside PyTorch's) costs more than a decode step's work, and its spinning threads would contend with PyTorch's
+PARALLEL_MIN_SCORES = 1 << 18
+
+
+def threads_for(num_scores: int) -> int:
+    """OpenMP threads for a chunk of `num_scores` scores: PyTorch's intra-op thread count for big chunks, else 1."""
+    return torch.get_num_threads() if num_scores >= PARALLEL_MIN_SCORES else 1
+
+
 def compose_softmax_compose(
     scores: torch.Tensor,
     query_terms: torch.Tensor,
@@ -398,7 +408,7 @@ def compose_softmax_compose(
         query_terms.data_ptr(), T, t0,
         key_terms.data_ptr() if key_terms is not None else None, S, s0,
         pad.data_ptr() if pad is not None else None, pad.shape[-1] if pad is not None else 0,
-        query_pos0, key_pos0, window_size or 0, scale, rows_per_tile(M, s), torch.get_num_threads(),
+        query_pos0, key_pos0, window_size or 0, scale, rows_per_tile(M, s), threads_for(scores.numel()),
     )  # fmt: skip
     if err:
         problem = "out of memory" if err == 2 else f"arguments out of range (rank {rank}, {M} heads per group)"

@@ -101,8 +101,10 @@ def test_kernel_chunk_matches_oracle(case, rows, monkeypatch):
     assert (plain - ref).abs().max() > 1e-2
 
 
-def test_kernel_threads_give_the_same_numbers():
+def test_kernel_threads_give_the_same_numbers(monkeypatch):
     """Tiles spread over OpenMP threads: each tile is computed alone, so the numbers do not depend on them."""
+    monkeypatch.setattr(cpu_kernel, "PARALLEL_MIN_SCORES", 0)  # this small chunk too
+    assert cpu_kernel.threads_for(1) == torch.get_num_threads()
     B, G, M, I, c, s = 2, 2, 4, 2, 32, 200
     gen = torch.Generator().manual_seed(5)
     raw = torch.randn(B, G * M, c, s, generator=gen)
@@ -111,6 +113,7 @@ def test_kernel_threads_give_the_same_numbers():
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
+        assert cpu_kernel.threads_for(raw.numel()) == threads
         scores = raw.clone()
         cpu_kernel.compose_softmax_compose(scores, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
         results.append(scores)
