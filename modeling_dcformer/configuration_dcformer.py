@@ -76,12 +76,12 @@ class DCFormerConfig(PreTrainedConfig):
             the same numbers (to float rounding). `"eager"`: PyTorch ops, one at a time. `"compiled"`: each Compose
             step (with the mask) as two stages through `torch.compile`, each one generated loop over the scores; the
             matrix products and the softmax are PyTorch's own kernels; the first call of each kind compiles
-            (seconds). `"kernel"`: CPU, float32, inference only (no gradients): a C function (`cpu_kernel.py`, built
+            (seconds). `"kernel"`: CPU, inference only (no gradients): a C function (`cpu_kernel.py`, built
             on first use with the system's C compiler, about a second, cached in `~/.cache/dcformer`) does Compose,
             mask, softmax and Compose in place between the two matrix products, a few query rows at a time in the
             core's cache; elsewhere it is an error that says why.
-            `"auto"`: `"kernel"` where it applies (CPU, float32, nothing needs gradients: prefill, decoding,
-            evaluation) and a C compiler is found; otherwise `"compiled"` for attention calls big enough to pay for
+            `"auto"`: `"kernel"` where it applies (CPU, nothing needs gradients: prefill, decoding, evaluation)
+            and a C compiler is found; otherwise `"compiled"` for attention calls big enough to pay for
             it (training at real sizes) on a device torch.compile can generate code for (CPU with a C++ compiler,
             CUDA with Triton), else `"eager"`. If building either fails, a warning, and `"auto"` does without it.
     """

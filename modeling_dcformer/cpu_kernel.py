@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-
 logger = logging.get_logger(__name__)
 
 MAX_RANK = 8  # dynamic_rank supported by the kernel (its per-block buffers are sized by it)
@@ -208,7 +207,8 @@ int dcmha_chunk(float *scores, int B, int G, int M, int c, int s, int I,
                 else
                     for (int r = r0; r < r1; r++)
                         for (int n = 0; n < M; n++)
-                            sc[(r - r0) * M + n] = softmax_row(base + ((int64_t)n * c + r) * s, s, mx + ((r - r0) * M + n) * VW);
+                            sc[(r - r0) * M + n] =
+                                softmax_row(base + ((int64_t)n * c + r) * s, s, mx + ((r - r0) * M + n) * VW);
                 for (int j0 = 0; j0 < s; j0 += BLOCK) {
                     /* L keys, Lv rounded up to the vector width: the lanes past L are zero, masked, not written */
                     const int L = s - j0 < BLOCK ? s - j0 : BLOCK, Lv = (L + VW - 1) / VW * VW;
@@ -294,7 +294,8 @@ def build(path: Path, cc: str) -> None:
         out = Path(tmp) / path.name
         errors = []
         for flags in attempts:
-            result = subprocess.run([cc, *flags, str(src), "-o", str(out), "-lm"], capture_output=True, text=True)
+            command = [cc, *flags, str(src), "-o", str(out), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
             if result.returncode == 0:
                 os.replace(out, path)
                 return

@@ -528,8 +528,8 @@ def kernel_unsupported(query: torch.Tensor, query_terms: torch.Tensor | None, ra
     """Why the "kernel" implementation (`cpu_kernel`) cannot compute an attention call, or None when it can."""
     if query_terms is None:
         return "no composition (use_dcmha=False)"
-    if query.device.type != "cpu" or query.dtype != torch.float32:
-        return f"it runs on CPU in float32, not on {query.device.type} in {query.dtype}"
+    if query.device.type != "cpu":
+        return f"it runs on CPU, not on {query.device.type}"
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, query_terms)):
         return "it computes no gradients (training, or inputs that require grad)"
     if rank > KERNEL_MAX_RANK:
@@ -614,12 +614,15 @@ def dcmha_attention_kernel(
     for t0, t1, s0, s1 in spans:
         c, s = t1 - t0, s1 - s0
         scores = buffer[: B * N * c * s].view(B * N, c, s)
-        torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2), out=scores)
+        if q.dtype == torch.float32:
+            torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2), out=scores)
+        else:  # products in the model's dtype, then fp32, as in `attend_chunk`
+            scores.copy_(torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2)))
         compose_softmax_compose(
             scores.view(B, N, c, s), qt, t0, kt, s0, pad, query_start + t0, key_start + s0, window_size,
             Dh**-0.5, rank, num_groups,
         )  # fmt: skip
-        outputs.append(torch.bmm(scores, v[:, s0:s1]).view(B, N, c, Dh).transpose(1, 2))
+        outputs.append(torch.bmm(scores.to(v.dtype), v[:, s0:s1]).view(B, N, c, Dh).transpose(1, 2))
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = scores.view(B, N, c, s)
     return torch.cat(outputs, dim=1)

@@ -10,11 +10,11 @@
 
 import pytest
 import torch
+from oracle import oracle_causal_lm, oracle_compose
+from test_oracle import VOCAB, as_double, assert_close, build_model, make_config
 
 import modeling_dcformer.modeling_dcformer as mdl
 from modeling_dcformer import cpu_kernel
-from oracle import oracle_causal_lm, oracle_compose
-from test_oracle import VOCAB, as_double, assert_close, build_model, make_config
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +85,7 @@ def test_kernel_chunk_matches_oracle(case, rows, monkeypatch):
     if pad is not None:
         allowed = allowed & pad[:, None, s0 : s0 + s]
     assert not allowed[0, 0].any() or not padding
-    time_last = lambda terms: None if terms is None else terms.permute(0, 2, 3, 4, 5, 1).contiguous()  # noqa: E731
+    time_last = lambda terms: None if terms is None else terms.permute(0, 2, 3, 4, 5, 1).contiguous()
     scores = raw.clone()
     out = cpu_kernel.compose_softmax_compose(
         scores, time_last(qt), t0, time_last(kt), s0, pad, qpos0, kpos0, window, 0.3, I, G
@@ -154,6 +154,22 @@ def test_kernel_model_matches_eager_and_oracle(options):
         assert_close(logits[row, real[row]], oracle_causal_lm(state, config, ids)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernel_in_half_precision_matches_eager(dtype):
+    """bf16 / fp16 models: the products in that dtype, the scores in fp32, as in the eager implementation."""
+    config = make_config(use_qk_norm=True, window_size=4, attention_chunk_size=5, dcmha_implementation="eager")
+    model = build_model(config).to(dtype)
+    input_ids, mask = padded_batch()
+    with torch.no_grad():
+        eager = model(input_ids, attention_mask=mask).logits
+        model.config.dcmha_implementation = "kernel"
+        logits = model(input_ids, attention_mask=mask).logits
+    assert logits.dtype == dtype
+    real = mask.bool()
+    scale = eager[real].float().abs().max().item()
+    torch.testing.assert_close(logits[real].float(), eager[real].float(), rtol=2e-2, atol=2e-2 * scale)
+
+
 def test_kernel_decodes_like_full_forward():
     """Prefill then one token at a time through the cache (a local layer's cache keeps only its window)."""
     config = make_config(use_qk_norm=True, window_size=4, attention_chunk_size=3, dcmha_implementation="kernel")
@@ -196,8 +212,10 @@ def test_kernel_is_a_clear_error_where_it_cannot_run():
     ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="computes no gradients"):
         model(ids)
-    with torch.no_grad(), pytest.raises(ValueError, match="float32"):
-        model.to(torch.bfloat16)(ids)
+    query, terms = torch.zeros(1, 4, 5, 8, device="meta"), torch.zeros(1, 5, 1, 2, 5, 4, device="meta")
+    assert "runs on CPU" in mdl.kernel_unsupported(query, terms, 2, 1)
+    too_high = cpu_kernel.MAX_RANK + 1
+    assert "rank" in mdl.kernel_unsupported(torch.zeros(query.shape), torch.zeros(terms.shape), too_high, 1)
     with pytest.raises(ValueError, match="contiguous float32"):
         cpu_kernel.compose_softmax_compose(
             torch.zeros(1, 2, 3, 4, dtype=torch.float64), torch.zeros(1, 1, 2, 5, 2, 3), 0, None, 0, None, 0, 0,
@@ -259,7 +277,7 @@ def test_kernel_refuses_bounds_it_would_read_past():
     B, G, M, I, c, s = 1, 1, 2, 1, 3, 5
     scores = torch.zeros(B, G * M, c, s)
     qt, kt = torch.zeros(B, G, 2, 2 * I + 1, M, 4), torch.zeros(B, G, 2, 2 * I + 1, M, 6)
-    run = lambda *a: cpu_kernel.compose_softmax_compose(scores, *a, 0, 0, None, 1.0, I, G)  # noqa: E731
+    run = lambda *a: cpu_kernel.compose_softmax_compose(scores, *a, 0, 0, None, 1.0, I, G)
     with pytest.raises(ValueError, match="queries"):
         run(qt, 2, kt, 0, None)
     with pytest.raises(ValueError, match="keys"):
