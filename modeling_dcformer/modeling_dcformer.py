@@ -524,13 +524,14 @@ def run_chunk(chunk_fn: Callable, args: tuple, kwargs: dict, recompute: bool):
     return chunk_fn(*args, **kwargs)
 
 
-def kernel_unsupported(query: torch.Tensor, query_terms: torch.Tensor | None, rank: int, num_groups: int) -> str | None:
-    """Why the "kernel" implementation (`cpu_kernel`) cannot compute an attention call, or None when it can."""
+def kernel_unsupported(query: torch.Tensor, tensors: tuple, query_terms: torch.Tensor | None, rank: int) -> str | None:
+    """Why the "kernel" implementation (`cpu_kernel`) cannot compute an attention call, or None when it can.
+    `tensors`: every input of the call (query, key, value, the factors): none may need a gradient."""
     if query_terms is None:
         return "no composition (use_dcmha=False)"
     if query.device.type != "cpu":
         return f"it runs on CPU, not on {query.device.type}"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, query_terms)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return "it computes no gradients (training, or inputs that require grad)"
     if rank > KERNEL_MAX_RANK:
         return f"it supports dynamic_rank <= {KERNEL_MAX_RANK}"
@@ -625,7 +626,7 @@ def dcmha_attention_kernel(
         outputs.append(torch.bmm(scores.to(v.dtype), v[:, s0:s1]).view(B, N, c, Dh).transpose(1, 2))
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = scores.view(B, N, c, s)
-    return torch.cat(outputs, dim=1)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # one chunk (a decode step): no copy
 
 
 def dcmha_attention(
@@ -673,7 +674,7 @@ def dcmha_attention(
         chunk_size = min(chunk_size, max(LOCAL_CHUNK_MIN, window_size // 2))
     # the scores of the whole call (heads x queries x keys each chunk sees) decide "auto", not one chunk's
     keys_seen = S if window_size is None else min(S, chunk_size + window_size - 1)
-    kernel_problem = kernel_unsupported(query, query_terms, rank, num_groups)
+    kernel_problem = kernel_unsupported(query, (query, key, value, query_terms, key_terms), query_terms, rank)
     impl = resolve_dcmha_implementation(implementation, query.device, N * T * keys_seen, kernel_problem)
     outputs = []
     probs_all = query.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
@@ -749,7 +750,7 @@ def dcmha_attention(
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = probs
         outputs.append(out)
-    return torch.cat(outputs, dim=1), probs_all
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), probs_all
 
 
 class DCFormerAttention(nn.Module):

@@ -213,9 +213,10 @@ def test_kernel_is_a_clear_error_where_it_cannot_run():
     with pytest.raises(ValueError, match="computes no gradients"):
         model(ids)
     query, terms = torch.zeros(1, 4, 5, 8, device="meta"), torch.zeros(1, 5, 1, 2, 5, 4, device="meta")
-    assert "runs on CPU" in mdl.kernel_unsupported(query, terms, 2, 1)
-    too_high = cpu_kernel.MAX_RANK + 1
-    assert "rank" in mdl.kernel_unsupported(torch.zeros(query.shape), torch.zeros(terms.shape), too_high, 1)
+    assert "runs on CPU" in mdl.kernel_unsupported(query, (query, terms), terms, 2)
+    query, terms = torch.zeros(query.shape), torch.zeros(terms.shape)
+    assert "rank" in mdl.kernel_unsupported(query, (query, terms), terms, cpu_kernel.MAX_RANK + 1)
+    assert mdl.kernel_unsupported(query, (query, terms), terms, 2) is None
     with pytest.raises(ValueError, match="contiguous float32"):
         cpu_kernel.compose_softmax_compose(
             torch.zeros(1, 2, 3, 4, dtype=torch.float64), torch.zeros(1, 1, 2, 5, 2, 3), 0, None, 0, None, 0, 0,
@@ -225,6 +226,26 @@ def test_kernel_is_a_clear_error_where_it_cannot_run():
         cpu_kernel.compose_softmax_compose(
             torch.zeros(1, 2, 3, 4), torch.zeros(1, 1, 2, 5, 3, 3), 0, None, 0, None, 0, 0, None, 1.0, 2, 1
         )
+
+
+def test_auto_keeps_the_gradient_of_any_input():
+    """Only the values need a gradient (say, a frozen model with an adapter on them): "auto" must not take the
+    forward-only kernel, and the gradient is the eager one."""
+    B, N, T, Dh, G, I = 1, 4, 6, 8, 2, 2
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, N, T, Dh, generator=gen) for _ in range(3))
+    qt = torch.randn(B, T, G, 2, 2 * I + 1, N // G, generator=gen) * 0.5
+    kt = torch.randn(B, T, G, 2, 2 * I + 1, N // G, generator=gen) * 0.5
+    grads = {}
+    for implementation in ("auto", "eager"):
+        value = v.clone().requires_grad_()
+        out, _ = mdl.dcmha_attention(q, k, value, qt, kt, 0, 0, None, None, I, G, 4, implementation=implementation)
+        out.sum().backward()
+        grads[implementation] = value.grad
+    assert_close(grads["auto"], grads["eager"])
+    value = v.clone().requires_grad_()
+    with pytest.raises(ValueError, match="computes no gradients"):
+        mdl.dcmha_attention(q, k, value, qt, kt, 0, 0, None, None, I, G, 4, implementation="kernel")
 
 
 @pytest.fixture
