@@ -353,9 +353,22 @@ def rows_per_tile(num_heads_per_group: int, keys: int, budget_floats: int = 1 <<
 PARALLEL_MIN_SCORES = 1 << 18
 
 
+_parallel_pid: int | None = None  # the process whose OpenMP threads the kernel has started
+
+
 def threads_for(num_scores: int) -> int:
-    """OpenMP threads for a chunk of `num_scores` scores: PyTorch's intra-op thread count for big chunks, else 1."""
-    return torch.get_num_threads() if num_scores >= PARALLEL_MIN_SCORES else 1
+    """OpenMP threads for a chunk of `num_scores` scores: PyTorch's intra-op thread count for big chunks, else 1.
+    Always 1 in a process forked after the kernel ran in parallel: GNU OpenMP is not fork-safe, and the child
+    would wait forever for its parent's threads. (PyTorch's own ops hang there too unless the child sets
+    `torch.set_num_threads(1)`: fork before running parallel work, or use the "spawn" start method.)"""
+    global _parallel_pid
+    threads = torch.get_num_threads() if num_scores >= PARALLEL_MIN_SCORES else 1
+    if threads > 1:
+        if _parallel_pid is None:
+            _parallel_pid = os.getpid()
+        elif _parallel_pid != os.getpid():
+            return 1
+    return threads
 
 
 def compose_softmax_compose(

@@ -120,6 +120,18 @@ def test_kernel_threads_give_the_same_numbers(monkeypatch):
     assert torch.equal(results[0], results[1])
 
 
+def test_no_openmp_threads_in_a_forked_child(monkeypatch):
+    """After the kernel ran in parallel in one process, a forked child gets 1 thread (its parent's OpenMP threads
+    do not exist there)."""
+    monkeypatch.setattr(cpu_kernel, "_parallel_pid", None)
+    torch.set_num_threads(2)
+    big = cpu_kernel.PARALLEL_MIN_SCORES
+    assert cpu_kernel.threads_for(big) == 2 and cpu_kernel._parallel_pid is not None
+    assert cpu_kernel.threads_for(big - 1) == 1
+    monkeypatch.setattr(cpu_kernel, "_parallel_pid", -1)  # as seen from a child: started by another process
+    assert cpu_kernel.threads_for(big) == 1
+
+
 def padded_batch():
     gen = torch.Generator().manual_seed(3)
     input_ids = torch.randint(0, VOCAB, (2, 13), generator=gen)
