@@ -877,8 +877,10 @@ class DCFormerCacheLayer(DynamicLayer):
     def update_dcmha(self, key, value, key_terms):
         if not self.is_initialized:
             self.lazy_initialization(key, value)
-            self.keys, self.values = key, value
-            self.key_terms = key_terms
+            # copies where they are views (the values of the fused q/k/v projection, two of the four factor
+            # slots): a view would keep its whole base tensor alive for as long as the cache
+            self.keys, self.values = key.contiguous(), value.contiguous()
+            self.key_terms = None if key_terms is None else key_terms.contiguous()
         else:
             self.keys = torch.cat([self.keys, key], dim=-2)
             self.values = torch.cat([self.values, value], dim=-2)

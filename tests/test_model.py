@@ -344,6 +344,17 @@ def test_decoding_with_explicit_empty_cache(tiny_model):
     torch.testing.assert_close(torch.cat([first.logits, last], 1), full, rtol=1e-4, atol=1e-4)
 
 
+def test_prefilled_cache_holds_only_its_own_tensors(tiny_model):
+    """The cache keeps K, V and the key factors, not the tensors they were sliced from (the fused q/k/v output,
+    all four factor slots): those would stay alive as long as the cache (3x the values' memory)."""
+    model = tiny_model()
+    with torch.no_grad():
+        cache = model(rand_ids(2, 7), use_cache=True).past_key_values
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values, layer.key_terms):
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
 def test_cache_crop_select_and_reset(tiny_model):
     """The generic Cache operations keep the key terms in step with the keys (global layers; local ones refuse)."""
     model = tiny_model(use_qk_norm=True)
