@@ -575,6 +575,32 @@ def resolve_dcmha_implementation(
     return implementation
 
 
+def chunk_spans(
+    T: int, S: int, chunk_size: int, query_start: int, key_start: int, window_size: int | None
+) -> list[tuple[int, int, int, int]]:
+    """(t0, t1, s0, s1) for each chunk of `chunk_size` queries: queries [t0, t1) and the keys [s0, s1) they can
+    see (indices into the call's queries and keys; the first query is the token at absolute index query_start,
+    the first key at key_start)."""
+    spans = []
+    for t0 in range(0, T, chunk_size):
+        t1 = min(T, t0 + chunk_size)
+        first, last = query_start + t0, query_start + t1 - 1  # absolute indices of the chunk's queries
+        s1 = min(S, last - key_start + 1)
+        s0 = max(0, first - window_size + 1 - key_start) if window_size is not None else 0
+        spans.append((t0, t1, s0, s1))
+    return spans
+
+
+def time_last(terms: torch.Tensor | None) -> torch.Tensor | None:
+    """Composition factors [B, T, G, C, 2I+1, M] laid out time-last, [B, G, C, 2I+1, M, T] (contiguous)."""
+    return None if terms is None else terms.permute(0, 2, 3, 4, 5, 1).contiguous()
+
+
+def join_chunks(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' outputs [B, c, N, Dh] along the queries; a single chunk (a decode step) is returned as it is."""
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
 def dcmha_attention_kernel(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -598,16 +624,10 @@ def dcmha_attention_kernel(
     q = query.reshape(B * N, T, Dh)  # views where they can be (batch 1): the matrix products take strides
     k = key.reshape(B * N, S, Dh)
     v = value.reshape(B * N, S, Dh)
-    qt = query_terms.float().permute(0, 2, 3, 4, 5, 1).contiguous()  # [B, G, 2, 2I+1, M, T]
-    kt = None if key_terms is None else key_terms.float().permute(0, 2, 3, 4, 5, 1).contiguous()
+    qt = time_last(query_terms.float())  # [B, G, 2, 2I+1, M, T]
+    kt = None if key_terms is None else time_last(key_terms.float())
     pad = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
-    spans = []
-    for t0 in range(0, T, chunk_size):
-        t1 = min(T, t0 + chunk_size)
-        first, last = query_start + t0, query_start + t1 - 1
-        s1 = min(S, last - key_start + 1)
-        s0 = max(0, first - window_size + 1 - key_start) if window_size is not None else 0
-        spans.append((t0, t1, s0, s1))
+    spans = chunk_spans(T, S, chunk_size, query_start, key_start, window_size)
     if not spans:
         return query.new_zeros(B, 0, N, Dh)
     buffer = torch.empty(max(B * N * (t1 - t0) * (s1 - s0) for t0, t1, s0, s1 in spans), dtype=torch.float32)
@@ -626,7 +646,7 @@ def dcmha_attention_kernel(
         outputs.append(torch.bmm(scores.to(v.dtype), v[:, s0:s1]).view(B, N, c, Dh).transpose(1, 2))
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = scores.view(B, N, c, s)
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # one chunk (a decode step): no copy
+    return join_chunks(outputs)
 
 
 def dcmha_attention(
@@ -689,18 +709,15 @@ def dcmha_attention(
             query.contiguous(),
             key.contiguous(),
             value.contiguous(),
-            query_terms.permute(0, 2, 3, 4, 5, 1).contiguous(),  # [B, G, Cq, 2I+1, M, T]
-            None if key_terms is None else key_terms.permute(0, 2, 3, 4, 5, 1).contiguous(),
+            time_last(query_terms),  # [B, G, Cq, 2I+1, M, T]
+            time_last(key_terms),
             torch.arange(query_start, query_start + T, device=query.device),
             torch.arange(key_start, key_start + S, device=query.device),
         )
     elif impl == "pointwise":
         kwargs["pointwise"] = True
-    for t0 in range(0, T, chunk_size):
-        t1 = min(T, t0 + chunk_size)
+    for t0, t1, s0, s1 in chunk_spans(T, S, chunk_size, query_start, key_start, window_size):
         first, last = query_start + t0, query_start + t1 - 1  # absolute indices of the chunk's queries
-        s1 = min(S, last - key_start + 1)
-        s0 = max(0, first - window_size + 1 - key_start) if window_size is not None else 0
         out = None
         if compiled:
             q, k, v, qt, kt, q_pos, k_pos = staged
@@ -750,7 +767,7 @@ def dcmha_attention(
         if probs_all is not None:
             probs_all[:, :, t0:t1, s0:s1] = probs
         outputs.append(out)
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), probs_all
+    return join_chunks(outputs), probs_all
 
 
 class DCFormerAttention(nn.Module):

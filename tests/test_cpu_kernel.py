@@ -10,11 +10,12 @@
 
 import pytest
 import torch
-from oracle import oracle_causal_lm, oracle_compose
-from test_oracle import VOCAB, as_double, assert_close, build_model, make_config
 
 import modeling_dcformer.modeling_dcformer as mdl
 from modeling_dcformer import cpu_kernel
+from oracle import oracle_compose
+from test_fast_dcmha import assert_decoding_matches_full_forward, assert_rows_match_oracle, padded_batch
+from test_oracle import VOCAB, assert_close, build_model, make_config
 
 
 @pytest.fixture(autouse=True)
@@ -132,15 +133,6 @@ def test_no_openmp_threads_in_a_forked_child(monkeypatch):
     assert cpu_kernel.threads_for(big) == 1
 
 
-def padded_batch():
-    gen = torch.Generator().manual_seed(3)
-    input_ids = torch.randint(0, VOCAB, (2, 13), generator=gen)
-    mask = torch.ones(2, 13, dtype=torch.long)
-    mask[0, :4] = 0  # left padding
-    mask[1, -3:] = 0  # right padding
-    return input_ids, mask
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -160,10 +152,7 @@ def test_kernel_model_matches_eager_and_oracle(options):
         logits = model(input_ids, attention_mask=mask, use_cache=False).logits
     real = mask.bool()
     assert_close(logits[real], eager[real])
-    state = as_double(model.state_dict())
-    for row in range(2):
-        ids = input_ids[row, real[row]][None]
-        assert_close(logits[row, real[row]], oracle_causal_lm(state, config, ids)[0])
+    assert_rows_match_oracle(model, logits, input_ids, mask)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -183,19 +172,8 @@ def test_kernel_in_half_precision_matches_eager(dtype):
 
 
 def test_kernel_decodes_like_full_forward():
-    """Prefill then one token at a time through the cache (a local layer's cache keeps only its window)."""
     config = make_config(use_qk_norm=True, window_size=4, attention_chunk_size=3, dcmha_implementation="kernel")
-    model = build_model(config)
-    input_ids, _ = padded_batch()
-    with torch.no_grad():
-        full = model(input_ids, use_cache=False).logits
-        out = model(input_ids[:, :6], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
-        for t in range(6, 13):
-            out = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits)
-    assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+    assert_decoding_matches_full_forward(build_model(config))
 
 
 def test_auto_uses_the_kernel_only_without_gradients(monkeypatch):
