@@ -14,7 +14,7 @@ from .released_format import is_released_config, translate_released_config
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-DCMHA_IMPLEMENTATIONS = ("auto", "eager", "compiled", "kernel")
+DCMHA_IMPLEMENTATIONS = ("auto", "eager", "compiled", "kernel", "triton")
 
 
 def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[bool]:
@@ -79,11 +79,15 @@ class DCFormerConfig(PreTrainedConfig):
             (seconds). `"kernel"`: CPU, inference only (no gradients): a C function (`cpu_kernel.py`, built
             on first use with the system's C compiler, about a second, cached in `~/.cache/dcformer`) does Compose,
             mask, softmax and Compose in place between the two matrix products, a few query rows at a time in the
-            core's cache; elsewhere it is an error that says why.
+            core's cache; elsewhere it is an error that says why. `"triton"`: CUDA, forward and backward:
+            flash-style Triton kernels (`triton_kernel.py`; `pip install triton`) that recompute the scores block
+            by block and never store a (heads x queries x keys) tensor; no `output_attentions`. On a CPU it runs
+            only under Triton's interpreter (`TRITON_INTERPRET=1`, slow: for tests).
             `"auto"`: `"kernel"` where it applies (CPU, nothing needs gradients: prefill, decoding, evaluation)
             and a C compiler is found; otherwise `"compiled"` for attention calls big enough to pay for
             it (training at real sizes) on a device torch.compile can generate code for (CPU with a C++ compiler,
             CUDA with Triton), else `"eager"`. If building either fails, a warning, and `"auto"` does without it.
+            `"auto"` does not choose `"triton"` yet: its speed against `"compiled"` has not been measured on a GPU.
     """
 
     model_type = "dcformer"

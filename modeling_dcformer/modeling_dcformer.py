@@ -36,6 +36,8 @@ from .cpu_kernel import MAX_RANK as KERNEL_MAX_RANK
 from .cpu_kernel import compose_softmax_compose
 from .cpu_kernel import load as load_cpu_kernel
 from .released_format import IGNORED as RELEASED_IGNORED_KEYS
+from .triton_kernel import dcmha_triton
+from .triton_kernel import unsupported as triton_unsupported
 from .released_format import key_renames, query_wise_slots
 
 logger = logging.get_logger(__name__)
@@ -555,18 +557,34 @@ def kernel_buildable() -> bool:
         return False
 
 
+def triton_problem(query: torch.Tensor, query_terms: torch.Tensor | None, rank: int, output_attentions: bool):
+    """Why the "triton" implementation (`triton_kernel`) cannot compute an attention call, or None when it can.
+    Without composition (use_dcmha=False) there is nothing for it to do: plain attention runs as with "eager"."""
+    if query_terms is None:
+        return None
+    if output_attentions:
+        return "it does not return the attention probabilities (output_attentions=True)"
+    return triton_unsupported(query.device, rank)
+
+
 def resolve_dcmha_implementation(
-    implementation: str, device: torch.device, num_scores: int, kernel_problem: str | None = "not asked"
+    implementation: str,
+    device: torch.device,
+    num_scores: int,
+    kernel_problem: str | None = "not asked",
+    triton_problem: str | None = "not asked",
 ) -> str:
     """The implementation an attention call computing `num_scores` scores (heads x queries x keys) runs with;
-    `kernel_problem`: why the call cannot use the CPU kernel (`kernel_unsupported`), None if it can."""
+    `kernel_problem`, `triton_problem`: why the call cannot use the CPU kernel (`kernel_unsupported`) or the
+    Triton kernels (`triton_problem`), None if it can."""
     if torch.compiler.is_compiling():
         return "pointwise"  # already inside torch.compile: the enclosing graph fuses the pointwise form
-    if implementation == "kernel" and kernel_problem is not None:
-        raise ValueError(
-            f'dcmha_implementation="kernel" cannot compute this attention: {kernel_problem}. '
-            'Use "auto" (the kernel where it applies, "compiled" or "eager" elsewhere).'
-        )
+    for name, problem in (("kernel", kernel_problem), ("triton", triton_problem)):
+        if implementation == name and problem is not None:
+            raise ValueError(
+                f'dcmha_implementation="{name}" cannot compute this attention: {problem}. '
+                'Use "auto" (the CPU kernel where it applies, "compiled" or "eager" elsewhere).'
+            )
     if implementation == "auto":
         if kernel_problem is None and device.type == "cpu" and kernel_buildable():
             return "kernel"
@@ -695,7 +713,11 @@ def dcmha_attention(
     # the scores of the whole call (heads x queries x keys each chunk sees) decide "auto", not one chunk's
     keys_seen = S if window_size is None else min(S, chunk_size + window_size - 1)
     kernel_problem = kernel_unsupported(query, (query, key, value, query_terms, key_terms), query_terms, rank)
-    impl = resolve_dcmha_implementation(implementation, query.device, N * T * keys_seen, kernel_problem)
+    triton_why = triton_problem(query, query_terms, rank, output_attentions) if implementation == "triton" else None
+    impl = resolve_dcmha_implementation(implementation, query.device, N * T * keys_seen, kernel_problem, triton_why)
+    if impl == "triton" and query_terms is not None:  # the whole call in one go: no chunks, no [heads, queries, keys] tensor
+        args = (query, key, value, query_terms, key_terms, query_start, key_start, key_padding_mask, window_size)
+        return dcmha_triton(*args, rank, num_groups), None
     outputs = []
     probs_all = query.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
     if impl == "kernel":

@@ -10,6 +10,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the package is used from the checkout, installed or not
     sys.path.insert(0, ROOT)
 
+# Without a GPU the Triton kernels run in Triton's CPU interpreter: it is read when the kernels are defined, so
+# before the package is imported (test_triton_kernel.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import modeling_dcformer  # noqa: E402,F401  (registers model_type "dcformer" with the Auto classes)
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
 

@@ -1,0 +1,462 @@
+"""DCMHA as flash-style Triton kernels, forward and backward (the "triton" implementation).
+
+No [heads, queries, keys] tensor is ever stored: each program holds one block of queries (or keys) for all the
+heads of one group, recomputes the q.k scores block by block and composes them in registers.
+
+- forward, one program per (query block, batch x group), two passes over the keys it sees:
+  1. scores -> Compose (pre) -> mask -> running row max and sum: the row's log-sum-exp (kept for the backward);
+  2. scores -> Compose (pre) -> probabilities exp(z - lse) -> Compose (post) -> mask -> @ v into the output.
+- backward, three kernels (a row needs D = sum_s P dP before its dZ = P (dP - D) exists):
+  `_bwd_row_stats` (per query block): D and the gradients of the post-softmax query-side factors;
+  `_bwd_rows` (per query block): dq and the pre-softmax query-side factors;
+  `_bwd_cols` (per key block, looping over the queries that see it): dk, dv and all key-side factors.
+  Every program owns the rows it accumulates into: no atomics.
+
+Layouts: q [B, N, T, Dh], k and v [B, N, S, Dh] (any strides, the last one 1); the factors time-last and
+contiguous, query ones [B, G, 2, 2I+1, M, T] and key ones [B, G, 2, 2I+1, M, S] (slots pre and post; rows w1,
+w2, dd: `DynamicWeightProjection`'s packing). Heads are padded to a power of two inside a program; padded heads
+load zeros and are never stored.
+
+Runs on CUDA, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` when this module is imported): that
+is how the tests check it. Triton is optional: without it this module imports, and `available()` says False.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_kernel import MAX_RANK
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the other implementations do without Triton
+    triton = tl = None
+
+BLOCK_T = 16  # queries per program (tl.dot needs every dimension >= 16)
+BLOCK_S = 16  # keys per step
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def unsupported(device: torch.device, rank: int) -> str | None:
+    """Why the Triton kernels cannot run on `device` with `rank`, or None when they can."""
+    if triton is None:
+        return "Triton is not installed (pip install triton)"
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return f"it runs on CUDA (or on CPU under TRITON_INTERPRET=1), not on {device.type}"
+    if rank > MAX_RANK:
+        return f"it supports dynamic_rank <= {MAX_RANK}"
+    return None
+
+
+def available(device: torch.device | str = "cuda") -> bool:
+    return unsupported(torch.device(device), 1) is None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, PRECISION: tl.constexpr):
+        """Batched matrix product with fp32 accumulation. PRECISION "upcast": operands in fp32 first (Triton's
+        interpreter multiplies bf16 operands as their integer bit patterns, so they are converted there)."""
+        if PRECISION == "upcast":
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
+    def _terms(ptr, base, row, offs_m, offs_x, M, X):
+        """Row `row` (w1_i, w2_i or dd) of one slot's factors: [MP, BX] over heads offs_m and times offs_x."""
+        mask = (offs_m[:, None] < M) & (offs_x[None, :] < X)
+        return tl.load(ptr + base + row * M * X + offs_m[:, None] * X + offs_x[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _mix(a, ptr, base, offs_m, offs_x, M, X, I: tl.constexpr, AXIS: tl.constexpr, TRANSPOSE: tl.constexpr):
+        """One side's terms of Compose on a [MP, BT, BS] block: a * dd + sum_i w2_i (sum_n a[n] w1_i[n]), the
+        factors indexed by the query (AXIS=2: they broadcast over the keys) or by the key (AXIS=1). TRANSPOSE
+        swaps w1 and w2: the vector-Jacobian product of the same terms."""
+        out = a * tl.expand_dims(_terms(ptr, base, 2 * I, offs_m, offs_x, M, X), AXIS)
+        for i in tl.static_range(I):
+            w_in = tl.expand_dims(_terms(ptr, base, (I + i) if TRANSPOSE else i, offs_m, offs_x, M, X), AXIS)
+            w_out = tl.expand_dims(_terms(ptr, base, i if TRANSPOSE else (I + i), offs_m, offs_x, M, X), AXIS)
+            hidden = tl.sum(a * w_in, axis=0)  # [BT, BS]
+            out += w_out * tl.expand_dims(hidden, 0)
+        return out
+
+    @triton.jit
+    def _compose(a, qt_ptr, q_base, kt_ptr, k_base, offs_m, offs_t, offs_s, M, T, S,
+                 I: tl.constexpr, HAS_KEY: tl.constexpr, TRANSPOSE: tl.constexpr):  # fmt: skip
+        """Compose of a [MP, BT, BS] block with one slot's factors (TRANSPOSE: its vector-Jacobian product)."""
+        out = a + _mix(a, qt_ptr, q_base, offs_m, offs_t, M, T, I, 2, TRANSPOSE)
+        if HAS_KEY:
+            out += _mix(a, kt_ptr, k_base, offs_m, offs_s, M, S, I, 1, TRANSPOSE)
+        return out
+
+    @triton.jit
+    def _add_mix_grads(a, g, ptr, base, dptr, offs_m, offs_x, M, X, I: tl.constexpr, AXIS: tl.constexpr):
+        """Adds to dptr the gradients of one side's factors given Compose's input block `a` and the gradient `g`
+        of its output: d dd = sum a g; d w2_i[m] = sum g[m] (sum_n a[n] w1_i[n]); d w1_i[n] = sum a[n] (sum_m
+        g[m] w2_i[m]); the sums over the keys (AXIS=2, query factors) or the queries (AXIS=1, key factors)."""
+        mask = (offs_m[:, None] < M) & (offs_x[None, :] < X)
+        off = offs_m[:, None] * X + offs_x[None, :]
+        p = dptr + base + 2 * I * M * X + off
+        tl.store(p, tl.load(p, mask=mask, other=0.0) + tl.sum(a * g, axis=AXIS), mask=mask)
+        for i in tl.static_range(I):
+            w1 = tl.expand_dims(_terms(ptr, base, i, offs_m, offs_x, M, X), AXIS)
+            w2 = tl.expand_dims(_terms(ptr, base, I + i, offs_m, offs_x, M, X), AXIS)
+            hidden = tl.expand_dims(tl.sum(a * w1, axis=0), 0)
+            back = tl.expand_dims(tl.sum(g * w2, axis=0), 0)
+            p = dptr + base + (I + i) * M * X + off
+            tl.store(p, tl.load(p, mask=mask, other=0.0) + tl.sum(g * hidden, axis=AXIS), mask=mask)
+            p = dptr + base + i * M * X + off
+            tl.store(p, tl.load(p, mask=mask, other=0.0) + tl.sum(a * back, axis=AXIS), mask=mask)
+
+    @triton.jit
+    def _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window,
+                 HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr):  # fmt: skip
+        """[1, BT, BS] bool: query t sees key s (causal, in the window, not padding, both in range)."""
+        q_pos = query_pos0 + offs_t[:, None]
+        k_pos = key_pos0 + offs_s[None, :]
+        ok = (offs_t[:, None] < T) & (offs_s[None, :] < S) & (k_pos <= q_pos)
+        if HAS_WINDOW:
+            ok = ok & (k_pos > q_pos - window)
+        if HAS_PAD:
+            ok = ok & (tl.load(pad_ptr + b * S + offs_s, mask=offs_s < S, other=0) != 0)[None, :]
+        return tl.expand_dims(ok, 0)
+
+    @triton.jit
+    def _rows(ptr, base, st_n, st_t, offs_m, offs_t, offs_d, M, T, DH):
+        """A [MP, BT, DHP] block of q, k, v or an output gradient (zeros outside)."""
+        m3 = offs_m[:, None, None]
+        t3 = offs_t[None, :, None]
+        d3 = offs_d[None, None, :]
+        mask = (m3 < M) & (t3 < T) & (d3 < DH)
+        return tl.load(ptr + base + m3 * st_n + t3 * st_t + d3, mask=mask, other=0.0)
+
+    @triton.jit
+    def _rows_t(ptr, base, st_n, st_s, offs_m, offs_s, offs_d, M, S, DH):
+        """A [MP, DHP, BS] block (keys last) of k or v."""
+        m3 = offs_m[:, None, None]
+        d3 = offs_d[None, :, None]
+        s3 = offs_s[None, None, :]
+        mask = (m3 < M) & (s3 < S) & (d3 < DH)
+        return tl.load(ptr + base + m3 * st_n + s3 * st_s + d3, mask=mask, other=0.0)
+
+    @triton.jit
+    def _key_range(t_start, T, query_pos0, key_pos0, S, window, HAS_WINDOW: tl.constexpr, BT: tl.constexpr):
+        """The keys [lo, hi) that the queries [t_start, t_start + BT) can see."""
+        last = query_pos0 + tl.minimum(t_start + BT, T) - 1
+        hi = tl.minimum(S, last - key_pos0 + 1)
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(0, query_pos0 + t_start - window + 1 - key_pos0)
+        return lo, hi
+
+    @triton.jit
+    def _fwd(q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, pad_ptr, out_ptr, lse_ptr,
+             sq_b, sq_n, sq_t, sk_b, sk_n, sk_s, sv_b, sv_n, sv_s, so_b, so_t, so_n,
+             T, S, G, M, DH, query_pos0, key_pos0, window, scale,
+             I: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             MP: tl.constexpr, DHP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+             PRECISION: tl.constexpr):  # fmt: skip
+        t_start = tl.program_id(0) * BT
+        bg = tl.program_id(1)
+        b = bg // G
+        g = bg % G
+        offs_m = tl.arange(0, MP)
+        offs_t = t_start + tl.arange(0, BT)
+        offs_d = tl.arange(0, DHP)
+        q = _rows(q_ptr, b * sq_b + g * M * sq_n, sq_n, sq_t, offs_m, offs_t, offs_d, M, T, DH)
+        q_pre = (bg * 2) * (2 * I + 1) * M * T
+        q_post = q_pre + (2 * I + 1) * M * T
+        k_pre = (bg * 2) * (2 * I + 1) * M * S
+        k_post = k_pre + (2 * I + 1) * M * S
+        lo, hi = _key_range(t_start, T, query_pos0, key_pos0, S, window, HAS_WINDOW, BT)
+        row_max = tl.full((MP, BT), float("-inf"), tl.float32)
+        row_sum = tl.zeros((MP, BT), tl.float32)
+        for s_start in range(lo, hi, BS):
+            offs_s = s_start + tl.arange(0, BS)
+            k = _rows_t(k_ptr, b * sk_b + g * M * sk_n, sk_n, sk_s, offs_m, offs_s, offs_d, M, S, DH)
+            a = _dot(q, k, PRECISION) * scale
+            z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
+            ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
+            z = tl.where(ok, z, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(z, axis=2))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(z - tl.expand_dims(shift, 2)), axis=2)
+            row_max = new_max
+        # rows that see no key (padding) get probabilities 0: lse = +inf
+        lse = tl.where(row_sum > 0, row_max + tl.log(tl.where(row_sum > 0, row_sum, 1.0)), float("inf"))
+        lse_mask = (offs_m[:, None] < M) & (offs_t[None, :] < T)
+        tl.store(lse_ptr + (bg * M + offs_m[:, None]) * T + offs_t[None, :], lse, mask=lse_mask)
+        acc = tl.zeros((MP, BT, DHP), tl.float32)
+        for s_start in range(lo, hi, BS):
+            offs_s = s_start + tl.arange(0, BS)
+            k = _rows_t(k_ptr, b * sk_b + g * M * sk_n, sk_n, sk_s, offs_m, offs_s, offs_d, M, S, DH)
+            a = _dot(q, k, PRECISION) * scale
+            z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
+            ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
+            p = tl.where(ok, tl.exp(z - tl.expand_dims(lse, 2)), 0.0)
+            o = _compose(p, qt_ptr, q_post, kt_ptr, k_post, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
+            o = tl.where(ok, o, 0.0)
+            v = _rows(v_ptr, b * sv_b + g * M * sv_n, sv_n, sv_s, offs_m, offs_s, offs_d, M, S, DH)
+            acc += _dot(o.to(v.dtype), v, PRECISION)
+        m3 = offs_m[:, None, None]
+        t3 = offs_t[None, :, None]
+        d3 = offs_d[None, None, :]
+        out_mask = (m3 < M) & (t3 < T) & (d3 < DH)
+        out_ptrs = out_ptr + b * so_b + t3 * so_t + (g * M + m3) * so_n + d3
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _block(q, k_ptr, v_ptr, do, qt_ptr, kt_ptr, pad_ptr, lse, b, k_base, v_base, sk_n, sk_s, sv_n, sv_s,
+               q_pre, q_post, k_pre, k_post, offs_m, offs_t, offs_s, offs_d,
+               T, S, M, DH, query_pos0, key_pos0, window, scale,
+               I: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               PRECISION: tl.constexpr):  # fmt: skip
+        """The forward of one [MP, BT, BS] block again, and the backward up to the probabilities: returns the
+        scores a, the probabilities p, the gradient dO of the composed probabilities (masked) and dP."""
+        k = _rows_t(k_ptr, k_base, sk_n, sk_s, offs_m, offs_s, offs_d, M, S, DH)
+        a = _dot(q, k, PRECISION) * scale
+        z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
+        ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
+        p = tl.where(ok, tl.exp(z - tl.expand_dims(lse, 2)), 0.0)
+        v = _rows_t(v_ptr, v_base, sv_n, sv_s, offs_m, offs_s, offs_d, M, S, DH)
+        d_o = tl.where(ok, _dot(do, v, PRECISION), 0.0)
+        d_p = _compose(d_o, qt_ptr, q_post, kt_ptr, k_post, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, True)
+        return a, p, d_o, d_p
+
+    @triton.jit
+    def _bwd_rows(q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, pad_ptr, do_ptr, lse_ptr, delta_ptr, dqt_ptr, dq_ptr,
+                  sq_b, sq_n, sq_t, sk_b, sk_n, sk_s, sv_b, sv_n, sv_s, sd_b, sd_t, sd_n,
+                  T, S, G, M, DH, query_pos0, key_pos0, window, scale,
+                  I: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  MP: tl.constexpr, DHP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                  PRECISION: tl.constexpr, STATS: tl.constexpr):  # fmt: skip
+        """Per query block, over the keys it sees. STATS: D = sum_s P dP per row (into delta_ptr) and the
+        gradients of the post-softmax query factors. Otherwise, given D: dq (into dq_ptr, [B, N, T, Dh]
+        contiguous fp32) and the gradients of the pre-softmax query factors."""
+        t_start = tl.program_id(0) * BT
+        bg = tl.program_id(1)
+        b = bg // G
+        g = bg % G
+        offs_m = tl.arange(0, MP)
+        offs_t = t_start + tl.arange(0, BT)
+        offs_d = tl.arange(0, DHP)
+        q = _rows(q_ptr, b * sq_b + g * M * sq_n, sq_n, sq_t, offs_m, offs_t, offs_d, M, T, DH)
+        do = _rows(do_ptr, b * sd_b + g * M * sd_n, sd_n, sd_t, offs_m, offs_t, offs_d, M, T, DH)  # [B, T, N, Dh]
+        q_pre = (bg * 2) * (2 * I + 1) * M * T
+        q_post = q_pre + (2 * I + 1) * M * T
+        k_pre = (bg * 2) * (2 * I + 1) * M * S
+        k_post = k_pre + (2 * I + 1) * M * S
+        row_mask = (offs_m[:, None] < M) & (offs_t[None, :] < T)
+        row_off = (bg * M + offs_m[:, None]) * T + offs_t[None, :]
+        lse = tl.load(lse_ptr + row_off, mask=row_mask, other=float("inf"))
+        if STATS:
+            delta = tl.zeros((MP, BT), tl.float32)
+        else:
+            delta = tl.load(delta_ptr + row_off, mask=row_mask, other=0.0)
+        dq = tl.zeros((MP, BT, DHP), tl.float32)
+        lo, hi = _key_range(t_start, T, query_pos0, key_pos0, S, window, HAS_WINDOW, BT)
+        for s_start in range(lo, hi, BS):
+            offs_s = s_start + tl.arange(0, BS)
+            a, p, d_o, d_p = _block(
+                q, k_ptr, v_ptr, do, qt_ptr, kt_ptr, pad_ptr, lse, b, b * sk_b + g * M * sk_n,
+                b * sv_b + g * M * sv_n, sk_n, sk_s, sv_n, sv_s, q_pre, q_post, k_pre, k_post,
+                offs_m, offs_t, offs_s, offs_d, T, S, M, DH, query_pos0, key_pos0, window, scale,
+                I, HAS_KEY, HAS_PAD, HAS_WINDOW, PRECISION,
+            )  # fmt: skip
+            if STATS:
+                delta += tl.sum(p * d_p, axis=2)
+                _add_mix_grads(p, d_o, qt_ptr, q_post, dqt_ptr, offs_m, offs_t, M, T, I, 2)
+            else:
+                d_z = p * (d_p - tl.expand_dims(delta, 2))
+                _add_mix_grads(a, d_z, qt_ptr, q_pre, dqt_ptr, offs_m, offs_t, M, T, I, 2)
+                d_a = _compose(d_z, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, True)
+                k = _rows(k_ptr, b * sk_b + g * M * sk_n, sk_n, sk_s, offs_m, offs_s, offs_d, M, S, DH)
+                dq += _dot(d_a.to(k.dtype), k, PRECISION) * scale
+        if STATS:
+            tl.store(delta_ptr + row_off, delta, mask=row_mask)
+        else:
+            m3 = offs_m[:, None, None]
+            t3 = offs_t[None, :, None]
+            d3 = offs_d[None, None, :]
+            mask = (m3 < M) & (t3 < T) & (d3 < DH)
+            tl.store(dq_ptr + ((b * G + g) * M + m3) * T * DH + t3 * DH + d3, dq, mask=mask)
+
+    @triton.jit
+    def _bwd_cols(q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, pad_ptr, do_ptr, lse_ptr, delta_ptr, dkt_ptr, dk_ptr, dv_ptr,
+                  sq_b, sq_n, sq_t, sk_b, sk_n, sk_s, sv_b, sv_n, sv_s, sd_b, sd_t, sd_n,
+                  T, S, G, M, DH, query_pos0, key_pos0, window, scale,
+                  I: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  MP: tl.constexpr, DHP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                  PRECISION: tl.constexpr):  # fmt: skip
+        """Per key block, over the queries that see it: dk, dv (into [B, N, S, Dh] contiguous fp32 buffers) and
+        the gradients of the key factors of both slots."""
+        s_start = tl.program_id(0) * BS
+        bg = tl.program_id(1)
+        b = bg // G
+        g = bg % G
+        offs_m = tl.arange(0, MP)
+        offs_s = s_start + tl.arange(0, BS)
+        offs_d = tl.arange(0, DHP)
+        q_pre = (bg * 2) * (2 * I + 1) * M * T
+        q_post = q_pre + (2 * I + 1) * M * T
+        k_pre = (bg * 2) * (2 * I + 1) * M * S
+        k_post = k_pre + (2 * I + 1) * M * S
+        k_base = b * sk_b + g * M * sk_n
+        v_base = b * sv_b + g * M * sv_n
+        # the queries [lo, hi) that can see a key of this block
+        first_key = key_pos0 + s_start
+        lo = tl.maximum(0, first_key - query_pos0)
+        hi = T
+        if HAS_WINDOW:
+            hi = tl.minimum(T, key_pos0 + tl.minimum(s_start + BS, S) - 1 + window - query_pos0)
+        dk = tl.zeros((MP, BS, DHP), tl.float32)
+        dv = tl.zeros((MP, BS, DHP), tl.float32)
+        for t_start in range(lo, hi, BT):
+            offs_t = t_start + tl.arange(0, BT)
+            q = _rows(q_ptr, b * sq_b + g * M * sq_n, sq_n, sq_t, offs_m, offs_t, offs_d, M, T, DH)
+            do = _rows(do_ptr, b * sd_b + g * M * sd_n, sd_n, sd_t, offs_m, offs_t, offs_d, M, T, DH)
+            row_mask = (offs_m[:, None] < M) & (offs_t[None, :] < T)
+            row_off = (bg * M + offs_m[:, None]) * T + offs_t[None, :]
+            lse = tl.load(lse_ptr + row_off, mask=row_mask, other=float("inf"))
+            delta = tl.load(delta_ptr + row_off, mask=row_mask, other=0.0)
+            a, p, d_o, d_p = _block(
+                q, k_ptr, v_ptr, do, qt_ptr, kt_ptr, pad_ptr, lse, b, k_base, v_base, sk_n, sk_s, sv_n, sv_s,
+                q_pre, q_post, k_pre, k_post, offs_m, offs_t, offs_s, offs_d, T, S, M, DH,
+                query_pos0, key_pos0, window, scale, I, HAS_KEY, HAS_PAD, HAS_WINDOW, PRECISION,
+            )  # fmt: skip
+            ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
+            o = _compose(p, qt_ptr, q_post, kt_ptr, k_post, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
+            o = tl.where(ok, o, 0.0)
+            dv += _dot(tl.permute(o, (0, 2, 1)).to(do.dtype), do, PRECISION)
+            d_z = p * (d_p - tl.expand_dims(delta, 2))
+            d_a = _compose(d_z, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, True)
+            dk += _dot(tl.permute(d_a, (0, 2, 1)).to(q.dtype), q, PRECISION) * scale
+            if HAS_KEY:
+                _add_mix_grads(p, d_o, kt_ptr, k_post, dkt_ptr, offs_m, offs_s, M, S, I, 1)
+                _add_mix_grads(a, d_z, kt_ptr, k_pre, dkt_ptr, offs_m, offs_s, M, S, I, 1)
+        m3 = offs_m[:, None, None]
+        s3 = offs_s[None, :, None]
+        d3 = offs_d[None, None, :]
+        mask = (m3 < M) & (s3 < S) & (d3 < DH)
+        off = ((b * G + g) * M + m3) * S * DH + s3 * DH + d3
+        tl.store(dk_ptr + off, dk, mask=mask)
+        tl.store(dv_ptr + off, dv, mask=mask)
+
+
+def _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups):
+    """The arguments every kernel shares, after the pointers: strides, sizes, positions, constants."""
+    B, N, T, Dh = q.shape
+    S = k.shape[2]
+    M = N // groups
+    precision = "ieee"  # fp32 products without TF32, as in the other implementations
+    if q.dtype != torch.float32 and interpreting():
+        precision = "upcast"  # see `_dot`
+    sizes = (T, S, groups, M, Dh, query_pos0, key_pos0, window or 0, Dh**-0.5)
+    consts = dict(
+        I=rank,
+        HAS_KEY=kt is not None,
+        HAS_PAD=pad is not None,
+        HAS_WINDOW=window is not None,
+        MP=max(2, triton.next_power_of_2(M)),
+        DHP=max(16, triton.next_power_of_2(Dh)),
+        BT=BLOCK_T,
+        BS=BLOCK_S,
+        PRECISION=precision,
+    )
+    strides = (*_strides3(q), *_strides3(k), *_strides3(v))
+    return strides, sizes, consts, (B * groups, T, S)
+
+
+def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
+    """Strides of [B, N, L, Dh] along B, N and L (Dh must be contiguous)."""
+    if x.stride(-1) != 1:
+        raise ValueError(f"the Triton DCMHA kernels need the head dimension contiguous, got strides {x.stride()}")
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _forward(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups):
+    strides, sizes, consts, (BG, T, S) = _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups)
+    B, N, _, Dh = q.shape
+    out = q.new_empty(B, T, N, Dh)
+    lse = torch.empty(B, N, T, device=q.device, dtype=torch.float32)
+    kt_arg = qt if kt is None else kt  # never read without HAS_KEY
+    pad_arg = qt if pad is None else pad
+    grid = (triton.cdiv(T, BLOCK_T), BG)
+    _fwd[grid](q, k, v, qt, kt_arg, pad_arg, out, lse, *strides, out.stride(0), out.stride(1), out.stride(2),
+               *sizes, **consts)  # fmt: skip
+    return out, lse
+
+
+def _backward(dout, q, k, v, qt, kt, pad, lse, query_pos0, key_pos0, window, rank, groups):
+    strides, sizes, consts, (BG, T, S) = _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    d_strides = (dout.stride(0), dout.stride(1), dout.stride(2))  # [B, T, N, Dh]
+    kt_arg = qt if kt is None else kt
+    pad_arg = qt if pad is None else pad
+    delta = torch.empty_like(lse)
+    dqt = torch.zeros_like(qt)
+    dkt = torch.zeros_like(kt) if kt is not None else dqt
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dk = torch.empty(k.shape, device=q.device, dtype=torch.float32)
+    dv = torch.empty(v.shape, device=q.device, dtype=torch.float32)
+    rows = (triton.cdiv(T, BLOCK_T), BG)
+    common = (*strides, *d_strides, *sizes)
+    _bwd_rows[rows](q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dqt, dq, *common, **consts, STATS=True)
+    _bwd_rows[rows](q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dqt, dq, *common, **consts, STATS=False)
+    cols = (triton.cdiv(S, BLOCK_S), BG)
+    _bwd_cols[cols](q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dkt, dk, dv, *common, **consts)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dqt, (dkt if kt is not None else None)
+
+
+class _DCMHAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups):
+        out, lse = _forward(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups)
+        ctx.save_for_backward(q, k, v, qt, kt, pad, lse)
+        ctx.settings = (query_pos0, key_pos0, window, rank, groups)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, qt, kt, pad, lse = ctx.saved_tensors
+        grads = _backward(dout, q, k, v, qt, kt, pad, lse, *ctx.settings)
+        return (*grads, None, None, None, None, None, None)
+
+
+def dcmha_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    query_start: int,
+    key_start: int,
+    key_padding_mask: torch.Tensor | None,
+    window_size: int | None,
+    rank: int,
+    num_groups: int,
+) -> torch.Tensor:
+    """Causal (optionally windowed) DCMHA, differentiable: the arguments of `dcmha_attention` (query [B, N, T, Dh],
+    key/value [B, N, S, Dh], query_terms [B, T, G, 2, 2I+1, M], key_terms [B, S, G, 2, 2I+1, M] or None, absolute
+    token indices of the first query and key, key_padding_mask [B, S] bool or None). Returns [B, T, N, Dh]."""
+    problem = unsupported(query.device, rank)
+    if problem is not None:
+        raise ValueError(f"the Triton DCMHA kernels cannot run: {problem}")
+    B, N, T, Dh = query.shape
+    if query_terms.shape[:4] != (B, T, num_groups, 2) or query_terms.shape[-1] * num_groups != N:
+        raise ValueError(f"query_terms {tuple(query_terms.shape)} do not fit {N} heads in {num_groups} groups")
+    S = key.shape[2]
+    if T == 0 or S == 0:
+        return query.new_zeros(B, T, N, Dh)
+    qt = query_terms.float().permute(0, 2, 3, 4, 5, 1).contiguous()  # [B, G, 2, 2I+1, M, T]
+    kt = None if key_terms is None else key_terms.float().permute(0, 2, 3, 4, 5, 1).contiguous()
+    pad = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    args = (query, key, value, qt, kt, pad, query_start, key_start, window_size, rank, num_groups)
+    return _DCMHAFunction.apply(*args)

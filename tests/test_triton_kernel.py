@@ -1,0 +1,159 @@
+"""The "triton" DCMHA implementation (`modeling_dcformer/triton_kernel.py`, flash-style Triton kernels) against the
+oracle, forward and backward. Without a GPU the kernels run in Triton's CPU interpreter (conftest.py sets
+TRITON_INTERPRET=1): the same kernel code, the numbers checked, the speed not.
+
+- the attention of one layer against Compose -> mask -> softmax -> Compose -> @ v written from the spec in
+  float64, and the gradients of q, k, v and every composition factor through it: ranks 1..3, groups, key-wise or
+  query-wise, windows, padding (rows that see no key), head sizes and head counts that are not powers of two,
+  queries and keys offset (a cache), several blocks, a single query;
+- whole models: logits and every parameter's gradient against "eager", logits against the oracle, a cached decode
+  against the full forward, generate();
+- clear errors where it cannot run.
+"""
+
+import pytest
+import torch
+
+import modeling_dcformer.modeling_dcformer as mdl
+from modeling_dcformer import triton_kernel
+from oracle import oracle_compose
+from test_fast_dcmha import assert_decoding_matches_full_forward, assert_rows_match_oracle, loss_and_grads, padded_batch
+from test_oracle import VOCAB, assert_close, build_model, make_config
+
+pytestmark = pytest.mark.skipif(triton_kernel.triton is None, reason="Triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runs_here():
+    if not triton_kernel.available(DEVICE):
+        pytest.skip(f"Triton kernels cannot run here: {triton_kernel.unsupported(torch.device(DEVICE), 1)}")
+
+
+def oracle_attention(q, k, v, qt, kt, pad, query_start, key_start, window, rank):
+    """DCMHA of one layer from the spec (float64 in, float64 out): q [B, N, T, Dh], k/v [B, N, S, Dh], qt
+    [B, T, G, 2, 2I+1, M], kt [B, S, G, 2, 2I+1, M] or None, pad [B, S] bool or None. Returns [B, T, N, Dh]."""
+    B, N, T, Dh = q.shape
+    S = k.shape[2]
+    q_pos, k_pos = torch.arange(query_start, query_start + T), torch.arange(key_start, key_start + S)
+    allowed = (k_pos[None, :] <= q_pos[:, None]).expand(B, T, S)
+    if window is not None:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+    if pad is not None:
+        allowed = allowed & pad[:, None, :]
+    I = rank
+
+    def slot(terms, j):
+        return () if terms is None else (terms[:, :, :, j, :I], terms[:, :, :, j, I : 2 * I], terms[:, :, :, j, 2 * I])
+
+    mask = allowed[:, None]
+    pre = oracle_compose(q @ k.transpose(-1, -2) * Dh**-0.5, *slot(qt, 0), *slot(kt, 0))
+    probs = torch.softmax(pre.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)  # no visible key: 0
+    post = oracle_compose(probs, *slot(qt, 1), *slot(kt, 1)).masked_fill(~mask, 0.0)
+    return (post @ v).transpose(1, 2)
+
+
+CASES = {
+    # name: (B, G, M, rank, Dh, T, S, key_wise, window, padding, query_start)  keys start at index 0
+    "rank2-pad-window": (2, 1, 4, 2, 8, 37, 37, True, 11, True, 0),
+    "querywise-groups2": (2, 2, 2, 2, 16, 20, 20, False, None, True, 0),
+    "rank1-odd-heads-dh12": (1, 1, 3, 1, 12, 33, 33, True, None, False, 0),
+    "rank3-cached": (1, 1, 4, 3, 8, 9, 40, True, 13, True, 31),
+    "decode-step": (2, 2, 3, 2, 8, 1, 21, True, None, True, 20),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_matches_oracle_forward_and_backward(case):
+    B, G, M, I, Dh, T, S, key_wise, window, padding, query_start = CASES[case]
+    N = G * M
+    gen = torch.Generator().manual_seed(len(case))
+    q, k, v = torch.randn(B, N, T, Dh, generator=gen), torch.randn(B, N, S, Dh, generator=gen), None
+    k, v = torch.randn(B, N, S, Dh, generator=gen), torch.randn(B, N, S, Dh, generator=gen)
+    qt = torch.randn(B, T, G, 2, 2 * I + 1, M, generator=gen) * 0.5
+    kt = torch.randn(B, S, G, 2, 2 * I + 1, M, generator=gen) * 0.5 if key_wise else None
+    pad = None
+    if padding:
+        pad = torch.rand(B, S, generator=gen) > 0.3
+        pad[0, : query_start + 1] = False  # batch 0: its first query sees no real key
+    inputs = [x for x in (q, k, v, qt, kt) if x is not None]
+    leaves = [x.double().requires_grad_() for x in inputs]
+    ref = oracle_attention(*leaves[:4], leaves[4] if key_wise else None, pad, query_start, 0, window, I)
+    grad_out = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    ref_grads = torch.autograd.grad((ref * grad_out).sum(), leaves)
+
+    ours = [x.to(DEVICE).requires_grad_() for x in inputs]
+    out = triton_kernel.dcmha_triton(
+        *ours[:4], ours[4] if key_wise else None, query_start, 0, None if pad is None else pad.to(DEVICE), window,
+        I, G,
+    )  # fmt: skip
+    assert out.shape == (B, T, N, Dh)
+    grads = torch.autograd.grad((out * grad_out.float().to(DEVICE)).sum(), ours)
+    assert_close(out.cpu(), ref)
+    for name, grad, expected in zip(("q", "k", "v", "query factors", "key factors"), grads, ref_grads):
+        assert grad.shape == expected.shape, name
+        assert_close(grad.cpu(), expected, atol=2e-5, rtol=2e-5)
+        assert expected.abs().max() > 1e-2, name  # every input matters: the test can fail
+    if padding:  # the row that sees no key: output 0, as in the other implementations
+        assert (out[0, 0].cpu() == 0).all()
+
+
+def test_triton_model_matches_eager_and_oracle_in_training():
+    """A training step of a tiny model (local and global layers, padding on both sides, query-key norms): logits
+    and every parameter's gradient against "eager", logits against the oracle."""
+    config = make_config(use_qk_norm=True, window_size=4, num_hidden_layers=2, dcmha_implementation="eager")
+    model = build_model(config).train().to(DEVICE)
+    input_ids, mask = (x.to(DEVICE) for x in padded_batch())
+    eager_logits, eager_grads = loss_and_grads(model, input_ids, mask)
+    model.config.dcmha_implementation = "triton"
+    logits, grads = loss_and_grads(model, input_ids, mask)
+    real = mask.bool()
+    assert_close(logits[real].cpu(), eager_logits[real].cpu())
+    for name, grad in grads.items():
+        assert_close(grad.cpu(), eager_grads[name].cpu())
+    assert_rows_match_oracle(model.cpu(), logits.cpu(), input_ids.cpu(), mask.cpu())
+
+
+def test_triton_in_bf16_matches_eager():
+    config = make_config(use_qk_norm=True, window_size=4, num_hidden_layers=2, dcmha_implementation="eager")
+    model = build_model(config).to(DEVICE, torch.bfloat16)
+    input_ids, mask = (x.to(DEVICE) for x in padded_batch())
+    with torch.no_grad():
+        eager = model(input_ids, attention_mask=mask).logits
+        model.config.dcmha_implementation = "triton"
+        logits = model(input_ids, attention_mask=mask).logits
+    assert logits.dtype == torch.bfloat16
+    real = mask.bool()
+    scale = eager[real].float().abs().max().item()
+    torch.testing.assert_close(logits[real].float(), eager[real].float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+def test_triton_decodes_like_full_forward_and_generates_like_eager():
+    config = make_config(use_qk_norm=True, window_size=4, num_hidden_layers=2, dcmha_implementation="triton")
+    model = build_model(config)
+    assert_decoding_matches_full_forward(model)
+    input_ids, mask = padded_batch()
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ours = model.generate(input_ids, attention_mask=mask, **kwargs)
+    model.config.dcmha_implementation = "eager"
+    assert torch.equal(ours, model.generate(input_ids, attention_mask=mask, **kwargs))
+
+
+def test_triton_is_a_clear_error_where_it_cannot_run(monkeypatch):
+    model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="triton"))
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(ids, output_attentions=True)
+    plain = build_model(make_config(num_hidden_layers=1, use_dcmha=False, dcmha_implementation="triton"))
+    mask = torch.tensor([[0, 1, 1, 1, 1]])
+    with torch.no_grad():  # no composition: plain attention, as with "eager"
+        logits = plain(ids, attention_mask=mask).logits
+        plain.config.dcmha_implementation = "eager"
+        assert_close(logits, plain(ids, attention_mask=mask).logits)
+    query = torch.zeros(1, 4, 5, 8)
+    assert "rank" in triton_kernel.unsupported(query.device, triton_kernel.MAX_RANK + 1)
+    monkeypatch.setattr(triton_kernel, "interpreting", lambda: False)
+    assert "runs on CUDA" in triton_kernel.unsupported(torch.device("cpu"), 2)
+    monkeypatch.setattr(triton_kernel, "triton", None)
+    with pytest.raises(ValueError, match="Triton is not installed"):
+        model(ids)
