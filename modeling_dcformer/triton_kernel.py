@@ -157,20 +157,46 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
+    def _product(x_ptr, x_base, sx_n, sx_t, y_ptr, y_base, sy_n, sy_s, offs_m, offs_t, offs_s, M, T, S, DH,
+                 MP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, DHP: tl.constexpr, DK: tl.constexpr,
+                 PRECISION: tl.constexpr):  # fmt: skip
+        """[MP, BT, BS] = sum_d x[m, t, d] y[m, s, d] (q.k, or dout.v), DK head dimensions at a time: operands of
+        [heads, 16, DK] instead of [heads, 16, Dh] keep a program within the GPU's shared memory."""
+        acc = tl.zeros((MP, BT, BS), tl.float32)
+        for d0 in tl.static_range(0, DHP, DK):
+            offs_d = d0 + tl.arange(0, DK)
+            x = _rows(x_ptr, x_base, sx_n, sx_t, offs_m, offs_t, offs_d, M, T, DH)
+            y = _rows_t(y_ptr, y_base, sy_n, sy_s, offs_m, offs_s, offs_d, M, S, DH)
+            acc += _dot(x, y, PRECISION)
+        return acc
+
+    @triton.jit
+    def _store_rows(ptr, base, st_n, st_t, value, offs_m, offs_t, offs_d, M, T, DH):
+        m3 = offs_m[:, None, None]
+        t3 = offs_t[None, :, None]
+        d3 = offs_d[None, None, :]
+        mask = (m3 < M) & (t3 < T) & (d3 < DH)
+        tl.store(ptr + base + m3 * st_n + t3 * st_t + d3, value.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _fwd(q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, pad_ptr, out_ptr, lse_ptr,
              sq_b, sq_n, sq_t, sk_b, sk_n, sk_s, sv_b, sv_n, sv_s, so_b, so_t, so_n,
              T, S, G, M, DH, query_pos0, key_pos0, window, scale,
              I: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
-             MP: tl.constexpr, DHP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-             PRECISION: tl.constexpr):  # fmt: skip
+             MP: tl.constexpr, DHP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+             BT: tl.constexpr, BS: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+        """Grid (query blocks, B x G, DHP / DV): each program writes DV of the output's head dimensions (and
+        recomputes the probabilities, which every part needs)."""
         t_start = tl.program_id(0) * BT
         bg = tl.program_id(1)
+        part = tl.program_id(2)
         b = bg // G
         g = bg % G
         offs_m = tl.arange(0, MP)
         offs_t = t_start + tl.arange(0, BT)
-        offs_d = tl.arange(0, DHP)
-        q = _rows(q_ptr, b * sq_b + g * M * sq_n, sq_n, sq_t, offs_m, offs_t, offs_d, M, T, DH)
+        offs_v = part * DV + tl.arange(0, DV)
+        q_base = b * sq_b + g * M * sq_n
+        k_base = b * sk_b + g * M * sk_n
         q_pre = (bg * 2) * (2 * I + 1) * M * T
         q_post = q_pre + (2 * I + 1) * M * T
         k_pre = (bg * 2) * (2 * I + 1) * M * S
@@ -180,8 +206,8 @@ if triton is not None:
         row_sum = tl.zeros((MP, BT), tl.float32)
         for s_start in range(lo, hi, BS):
             offs_s = s_start + tl.arange(0, BS)
-            k = _rows_t(k_ptr, b * sk_b + g * M * sk_n, sk_n, sk_s, offs_m, offs_s, offs_d, M, S, DH)
-            a = _dot(q, k, PRECISION) * scale
+            a = _product(q_ptr, q_base, sq_n, sq_t, k_ptr, k_base, sk_n, sk_s, offs_m, offs_t, offs_s, M, T, S, DH,
+                         MP, BT, BS, DHP, DK, PRECISION) * scale  # fmt: skip
             z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
             ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
             z = tl.where(ok, z, float("-inf"))
@@ -191,64 +217,66 @@ if triton is not None:
             row_max = new_max
         # rows that see no key (padding) get probabilities 0: lse = +inf
         lse = tl.where(row_sum > 0, row_max + tl.log(tl.where(row_sum > 0, row_sum, 1.0)), float("inf"))
-        lse_mask = (offs_m[:, None] < M) & (offs_t[None, :] < T)
-        tl.store(lse_ptr + (bg * M + offs_m[:, None]) * T + offs_t[None, :], lse, mask=lse_mask)
-        acc = tl.zeros((MP, BT, DHP), tl.float32)
+        if part == 0:
+            lse_mask = (offs_m[:, None] < M) & (offs_t[None, :] < T)
+            tl.store(lse_ptr + (bg * M + offs_m[:, None]) * T + offs_t[None, :], lse, mask=lse_mask)
+        acc = tl.zeros((MP, BT, DV), tl.float32)
         for s_start in range(lo, hi, BS):
             offs_s = s_start + tl.arange(0, BS)
-            k = _rows_t(k_ptr, b * sk_b + g * M * sk_n, sk_n, sk_s, offs_m, offs_s, offs_d, M, S, DH)
-            a = _dot(q, k, PRECISION) * scale
+            a = _product(q_ptr, q_base, sq_n, sq_t, k_ptr, k_base, sk_n, sk_s, offs_m, offs_t, offs_s, M, T, S, DH,
+                         MP, BT, BS, DHP, DK, PRECISION) * scale  # fmt: skip
             z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
             ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
             p = tl.where(ok, tl.exp(z - tl.expand_dims(lse, 2)), 0.0)
             o = _compose(p, qt_ptr, q_post, kt_ptr, k_post, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
             o = tl.where(ok, o, 0.0)
-            v = _rows(v_ptr, b * sv_b + g * M * sv_n, sv_n, sv_s, offs_m, offs_s, offs_d, M, S, DH)
+            v = _rows(v_ptr, b * sv_b + g * M * sv_n, sv_n, sv_s, offs_m, offs_s, offs_v, M, S, DH)
             acc += _dot(o.to(v.dtype), v, PRECISION)
-        m3 = offs_m[:, None, None]
-        t3 = offs_t[None, :, None]
-        d3 = offs_d[None, None, :]
-        out_mask = (m3 < M) & (t3 < T) & (d3 < DH)
-        out_ptrs = out_ptr + b * so_b + t3 * so_t + (g * M + m3) * so_n + d3
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _store_rows(out_ptr, b * so_b + g * M * so_n, so_n, so_t, acc, offs_m, offs_t, offs_v, M, T, DH)
 
     @triton.jit
-    def _block(q, k_ptr, v_ptr, do, qt_ptr, kt_ptr, pad_ptr, lse, b, k_base, v_base, sk_n, sk_s, sv_n, sv_s,
-               q_pre, q_post, k_pre, k_post, offs_m, offs_t, offs_s, offs_d,
+    def _block(q_ptr, k_ptr, v_ptr, do_ptr, qt_ptr, kt_ptr, pad_ptr, lse, b, q_base, k_base, v_base, do_base,
+               sq_n, sq_t, sk_n, sk_s, sv_n, sv_s, sd_n, sd_t, q_pre, q_post, k_pre, k_post, offs_m, offs_t, offs_s,
                T, S, M, DH, query_pos0, key_pos0, window, scale,
                I: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               MP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, DHP: tl.constexpr, DK: tl.constexpr,
                PRECISION: tl.constexpr):  # fmt: skip
         """The forward of one [MP, BT, BS] block again, and the backward up to the probabilities: returns the
-        scores a, the probabilities p, the gradient dO of the composed probabilities (masked) and dP."""
-        k = _rows_t(k_ptr, k_base, sk_n, sk_s, offs_m, offs_s, offs_d, M, S, DH)
-        a = _dot(q, k, PRECISION) * scale
+        scores a, the probabilities p, the gradient dO of the composed probabilities (masked), dP and the mask."""
+        a = _product(q_ptr, q_base, sq_n, sq_t, k_ptr, k_base, sk_n, sk_s, offs_m, offs_t, offs_s, M, T, S, DH,
+                     MP, BT, BS, DHP, DK, PRECISION) * scale  # fmt: skip
         z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
         ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
         p = tl.where(ok, tl.exp(z - tl.expand_dims(lse, 2)), 0.0)
-        v = _rows_t(v_ptr, v_base, sv_n, sv_s, offs_m, offs_s, offs_d, M, S, DH)
-        d_o = tl.where(ok, _dot(do, v, PRECISION), 0.0)
+        d_o = _product(do_ptr, do_base, sd_n, sd_t, v_ptr, v_base, sv_n, sv_s, offs_m, offs_t, offs_s, M, T, S, DH,
+                       MP, BT, BS, DHP, DK, PRECISION)  # fmt: skip
+        d_o = tl.where(ok, d_o, 0.0)
         d_p = _compose(d_o, qt_ptr, q_post, kt_ptr, k_post, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, True)
-        return a, p, d_o, d_p
+        return a, p, d_o, d_p, ok
 
     @triton.jit
     def _bwd_rows(q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, pad_ptr, do_ptr, lse_ptr, delta_ptr, dqt_ptr, dq_ptr,
                   sq_b, sq_n, sq_t, sk_b, sk_n, sk_s, sv_b, sv_n, sv_s, sd_b, sd_t, sd_n,
                   T, S, G, M, DH, query_pos0, key_pos0, window, scale,
                   I: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  MP: tl.constexpr, DHP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                  PRECISION: tl.constexpr, STATS: tl.constexpr):  # fmt: skip
-        """Per query block, over the keys it sees. STATS: D = sum_s P dP per row (into delta_ptr) and the
-        gradients of the post-softmax query factors. Otherwise, given D: dq (into dq_ptr, [B, N, T, Dh]
-        contiguous fp32) and the gradients of the pre-softmax query factors."""
+                  MP: tl.constexpr, DHP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  BT: tl.constexpr, BS: tl.constexpr, PRECISION: tl.constexpr, STATS: tl.constexpr):  # fmt: skip
+        """Per query block, over the keys it sees. STATS (grid (query blocks, B x G, 1)): D = sum_s P dP per row
+        (into delta_ptr) and the gradients of the post-softmax query factors. Otherwise (grid (query blocks,
+        B x G, DHP / DV)), given D: DV of dq's head dimensions (into dq_ptr, [B, N, T, Dh] contiguous fp32) and,
+        from the first part only, the gradients of the pre-softmax query factors."""
         t_start = tl.program_id(0) * BT
         bg = tl.program_id(1)
+        part = tl.program_id(2)
         b = bg // G
         g = bg % G
         offs_m = tl.arange(0, MP)
         offs_t = t_start + tl.arange(0, BT)
-        offs_d = tl.arange(0, DHP)
-        q = _rows(q_ptr, b * sq_b + g * M * sq_n, sq_n, sq_t, offs_m, offs_t, offs_d, M, T, DH)
-        do = _rows(do_ptr, b * sd_b + g * M * sd_n, sd_n, sd_t, offs_m, offs_t, offs_d, M, T, DH)  # [B, T, N, Dh]
+        offs_v = part * DV + tl.arange(0, DV)
+        q_base = b * sq_b + g * M * sq_n
+        k_base = b * sk_b + g * M * sk_n
+        v_base = b * sv_b + g * M * sv_n
+        do_base = b * sd_b + g * M * sd_n  # dout is [B, T, N, Dh], the layout of the forward's output
         q_pre = (bg * 2) * (2 * I + 1) * M * T
         q_post = q_pre + (2 * I + 1) * M * T
         k_pre = (bg * 2) * (2 * I + 1) * M * S
@@ -260,94 +288,104 @@ if triton is not None:
             delta = tl.zeros((MP, BT), tl.float32)
         else:
             delta = tl.load(delta_ptr + row_off, mask=row_mask, other=0.0)
-        dq = tl.zeros((MP, BT, DHP), tl.float32)
+        dq = tl.zeros((MP, BT, DV), tl.float32)
         lo, hi = _key_range(t_start, T, query_pos0, key_pos0, S, window, HAS_WINDOW, BT)
         for s_start in range(lo, hi, BS):
             offs_s = s_start + tl.arange(0, BS)
-            a, p, d_o, d_p = _block(
-                q, k_ptr, v_ptr, do, qt_ptr, kt_ptr, pad_ptr, lse, b, b * sk_b + g * M * sk_n,
-                b * sv_b + g * M * sv_n, sk_n, sk_s, sv_n, sv_s, q_pre, q_post, k_pre, k_post,
-                offs_m, offs_t, offs_s, offs_d, T, S, M, DH, query_pos0, key_pos0, window, scale,
-                I, HAS_KEY, HAS_PAD, HAS_WINDOW, PRECISION,
+            a, p, d_o, d_p, ok = _block(
+                q_ptr, k_ptr, v_ptr, do_ptr, qt_ptr, kt_ptr, pad_ptr, lse, b, q_base, k_base, v_base, do_base,
+                sq_n, sq_t, sk_n, sk_s, sv_n, sv_s, sd_n, sd_t, q_pre, q_post, k_pre, k_post, offs_m, offs_t, offs_s,
+                T, S, M, DH, query_pos0, key_pos0, window, scale, I, HAS_KEY, HAS_PAD, HAS_WINDOW,
+                MP, BT, BS, DHP, DK, PRECISION,
             )  # fmt: skip
             if STATS:
                 delta += tl.sum(p * d_p, axis=2)
                 _add_mix_grads(p, d_o, qt_ptr, q_post, dqt_ptr, offs_m, offs_t, M, T, I, 2)
             else:
                 d_z = p * (d_p - tl.expand_dims(delta, 2))
-                _add_mix_grads(a, d_z, qt_ptr, q_pre, dqt_ptr, offs_m, offs_t, M, T, I, 2)
+                if part == 0:
+                    _add_mix_grads(a, d_z, qt_ptr, q_pre, dqt_ptr, offs_m, offs_t, M, T, I, 2)
                 d_a = _compose(d_z, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, True)
-                k = _rows(k_ptr, b * sk_b + g * M * sk_n, sk_n, sk_s, offs_m, offs_s, offs_d, M, S, DH)
+                k = _rows(k_ptr, k_base, sk_n, sk_s, offs_m, offs_s, offs_v, M, S, DH)
                 dq += _dot(d_a.to(k.dtype), k, PRECISION) * scale
         if STATS:
             tl.store(delta_ptr + row_off, delta, mask=row_mask)
         else:
-            m3 = offs_m[:, None, None]
-            t3 = offs_t[None, :, None]
-            d3 = offs_d[None, None, :]
-            mask = (m3 < M) & (t3 < T) & (d3 < DH)
-            tl.store(dq_ptr + ((b * G + g) * M + m3) * T * DH + t3 * DH + d3, dq, mask=mask)
+            _store_rows(dq_ptr, (b * G + g) * M * T * DH, T * DH, DH, dq, offs_m, offs_t, offs_v, M, T, DH)
 
     @triton.jit
     def _bwd_cols(q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, pad_ptr, do_ptr, lse_ptr, delta_ptr, dkt_ptr, dk_ptr, dv_ptr,
                   sq_b, sq_n, sq_t, sk_b, sk_n, sk_s, sv_b, sv_n, sv_s, sd_b, sd_t, sd_n,
                   T, S, G, M, DH, query_pos0, key_pos0, window, scale,
                   I: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  MP: tl.constexpr, DHP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                  PRECISION: tl.constexpr):  # fmt: skip
-        """Per key block, over the queries that see it: dk, dv (into [B, N, S, Dh] contiguous fp32 buffers) and
-        the gradients of the key factors of both slots."""
+                  MP: tl.constexpr, DHP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  BT: tl.constexpr, BS: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+        """Grid (key blocks, B x G, DHP / DV), over the queries that see the block: DV of dk's and dv's head
+        dimensions (into [B, N, S, Dh] contiguous fp32 buffers) and, from the first part only, the gradients of
+        the key factors of both slots."""
         s_start = tl.program_id(0) * BS
         bg = tl.program_id(1)
+        part = tl.program_id(2)
         b = bg // G
         g = bg % G
         offs_m = tl.arange(0, MP)
         offs_s = s_start + tl.arange(0, BS)
-        offs_d = tl.arange(0, DHP)
+        offs_v = part * DV + tl.arange(0, DV)
+        q_base = b * sq_b + g * M * sq_n
+        k_base = b * sk_b + g * M * sk_n
+        v_base = b * sv_b + g * M * sv_n
+        do_base = b * sd_b + g * M * sd_n
         q_pre = (bg * 2) * (2 * I + 1) * M * T
         q_post = q_pre + (2 * I + 1) * M * T
         k_pre = (bg * 2) * (2 * I + 1) * M * S
         k_post = k_pre + (2 * I + 1) * M * S
-        k_base = b * sk_b + g * M * sk_n
-        v_base = b * sv_b + g * M * sv_n
         # the queries [lo, hi) that can see a key of this block
-        first_key = key_pos0 + s_start
-        lo = tl.maximum(0, first_key - query_pos0)
+        lo = tl.maximum(0, key_pos0 + s_start - query_pos0)
         hi = T
         if HAS_WINDOW:
             hi = tl.minimum(T, key_pos0 + tl.minimum(s_start + BS, S) - 1 + window - query_pos0)
-        dk = tl.zeros((MP, BS, DHP), tl.float32)
-        dv = tl.zeros((MP, BS, DHP), tl.float32)
+        dk = tl.zeros((MP, BS, DV), tl.float32)
+        dv = tl.zeros((MP, BS, DV), tl.float32)
         for t_start in range(lo, hi, BT):
             offs_t = t_start + tl.arange(0, BT)
-            q = _rows(q_ptr, b * sq_b + g * M * sq_n, sq_n, sq_t, offs_m, offs_t, offs_d, M, T, DH)
-            do = _rows(do_ptr, b * sd_b + g * M * sd_n, sd_n, sd_t, offs_m, offs_t, offs_d, M, T, DH)
             row_mask = (offs_m[:, None] < M) & (offs_t[None, :] < T)
             row_off = (bg * M + offs_m[:, None]) * T + offs_t[None, :]
             lse = tl.load(lse_ptr + row_off, mask=row_mask, other=float("inf"))
             delta = tl.load(delta_ptr + row_off, mask=row_mask, other=0.0)
-            a, p, d_o, d_p = _block(
-                q, k_ptr, v_ptr, do, qt_ptr, kt_ptr, pad_ptr, lse, b, k_base, v_base, sk_n, sk_s, sv_n, sv_s,
-                q_pre, q_post, k_pre, k_post, offs_m, offs_t, offs_s, offs_d, T, S, M, DH,
-                query_pos0, key_pos0, window, scale, I, HAS_KEY, HAS_PAD, HAS_WINDOW, PRECISION,
+            a, p, d_o, d_p, ok = _block(
+                q_ptr, k_ptr, v_ptr, do_ptr, qt_ptr, kt_ptr, pad_ptr, lse, b, q_base, k_base, v_base, do_base,
+                sq_n, sq_t, sk_n, sk_s, sv_n, sv_s, sd_n, sd_t, q_pre, q_post, k_pre, k_post, offs_m, offs_t, offs_s,
+                T, S, M, DH, query_pos0, key_pos0, window, scale, I, HAS_KEY, HAS_PAD, HAS_WINDOW,
+                MP, BT, BS, DHP, DK, PRECISION,
             )  # fmt: skip
-            ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
             o = _compose(p, qt_ptr, q_post, kt_ptr, k_post, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
             o = tl.where(ok, o, 0.0)
+            do = _rows(do_ptr, do_base, sd_n, sd_t, offs_m, offs_t, offs_v, M, T, DH)
             dv += _dot(tl.permute(o, (0, 2, 1)).to(do.dtype), do, PRECISION)
             d_z = p * (d_p - tl.expand_dims(delta, 2))
             d_a = _compose(d_z, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, True)
+            q = _rows(q_ptr, q_base, sq_n, sq_t, offs_m, offs_t, offs_v, M, T, DH)
             dk += _dot(tl.permute(d_a, (0, 2, 1)).to(q.dtype), q, PRECISION) * scale
             if HAS_KEY:
-                _add_mix_grads(p, d_o, kt_ptr, k_post, dkt_ptr, offs_m, offs_s, M, S, I, 1)
-                _add_mix_grads(a, d_z, kt_ptr, k_pre, dkt_ptr, offs_m, offs_s, M, S, I, 1)
-        m3 = offs_m[:, None, None]
-        s3 = offs_s[None, :, None]
-        d3 = offs_d[None, None, :]
-        mask = (m3 < M) & (s3 < S) & (d3 < DH)
-        off = ((b * G + g) * M + m3) * S * DH + s3 * DH + d3
-        tl.store(dk_ptr + off, dk, mask=mask)
-        tl.store(dv_ptr + off, dv, mask=mask)
+                if part == 0:
+                    _add_mix_grads(p, d_o, kt_ptr, k_post, dkt_ptr, offs_m, offs_s, M, S, I, 1)
+                    _add_mix_grads(a, d_z, kt_ptr, k_pre, dkt_ptr, offs_m, offs_s, M, S, I, 1)
+        base = (b * G + g) * M * S * DH
+        _store_rows(dk_ptr, base, S * DH, DH, dk, offs_m, offs_s, offs_v, M, S, DH)
+        _store_rows(dv_ptr, base, S * DH, DH, dv, offs_m, offs_s, offs_v, M, S, DH)
+
+
+def block_settings(heads: int, head_dim: int) -> dict:
+    """How a program splits its work, from the padded heads of a group and head size: DK head dimensions at a time
+    in the q.k and dout.v products, DV of the output's head dimensions per program (each part recomputes the
+    probabilities), the warps, no software pipelining. Chosen from what the real compiler reports for sm_90
+    without a GPU (`benchmarks/triton_resources.py`: shared memory, registers, spills), so that a program fits
+    in a GPU's shared memory and spills little; their speed has not been measured on a GPU."""
+    DK = min(head_dim, 32)
+    DV = head_dim
+    while heads * DV > 1024 and DV > 16:
+        DV //= 2
+    return dict(DK=DK, DV=DV, num_warps=4 if heads * BLOCK_T * BLOCK_S < 4096 else 8, num_stages=1)
 
 
 def _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups):
@@ -355,6 +393,7 @@ def _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, group
     B, N, T, Dh = q.shape
     S = k.shape[2]
     M = N // groups
+    MP, DHP = max(2, triton.next_power_of_2(M)), max(16, triton.next_power_of_2(Dh))
     precision = "ieee"  # fp32 products without TF32, as in the other implementations
     if q.dtype != torch.float32 and interpreting():
         precision = "upcast"  # see `_dot`
@@ -364,8 +403,9 @@ def _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, group
         HAS_KEY=kt is not None,
         HAS_PAD=pad is not None,
         HAS_WINDOW=window is not None,
-        MP=max(2, triton.next_power_of_2(M)),
-        DHP=max(16, triton.next_power_of_2(Dh)),
+        MP=MP,
+        DHP=DHP,
+        **block_settings(MP, DHP),
         BT=BLOCK_T,
         BS=BLOCK_S,
         PRECISION=precision,
@@ -381,6 +421,18 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
+def _launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs); a program too big for the GPU is a clear error instead of Triton's."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except triton.runtime.errors.OutOfResources as err:
+        raise ValueError(
+            f"the Triton DCMHA kernels do not fit this GPU for {kwargs['MP']} heads per group (padded) of "
+            f"{kwargs['DHP']} dimensions in {args[0].dtype} ({err}); "
+            'use dcmha_implementation="compiled" (or bf16, or more head groups)'
+        ) from err
+
+
 def _forward(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups):
     strides, sizes, consts, (BG, T, S) = _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups)
     B, N, _, Dh = q.shape
@@ -388,9 +440,9 @@ def _forward(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups):
     lse = torch.empty(B, N, T, device=q.device, dtype=torch.float32)
     kt_arg = qt if kt is None else kt  # never read without HAS_KEY
     pad_arg = qt if pad is None else pad
-    grid = (triton.cdiv(T, BLOCK_T), BG)
-    _fwd[grid](q, k, v, qt, kt_arg, pad_arg, out, lse, *strides, out.stride(0), out.stride(1), out.stride(2),
-               *sizes, **consts)  # fmt: skip
+    grid = (triton.cdiv(T, BLOCK_T), BG, consts["DHP"] // consts["DV"])
+    _launch(_fwd, grid, q, k, v, qt, kt_arg, pad_arg, out, lse, *strides, out.stride(0), out.stride(1),
+            out.stride(2), *sizes, **consts)  # fmt: skip
     return out, lse
 
 
@@ -406,12 +458,14 @@ def _backward(dout, q, k, v, qt, kt, pad, lse, query_pos0, key_pos0, window, ran
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty(k.shape, device=q.device, dtype=torch.float32)
     dv = torch.empty(v.shape, device=q.device, dtype=torch.float32)
-    rows = (triton.cdiv(T, BLOCK_T), BG)
+    parts = consts["DHP"] // consts["DV"]
     common = (*strides, *d_strides, *sizes)
-    _bwd_rows[rows](q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dqt, dq, *common, **consts, STATS=True)
-    _bwd_rows[rows](q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dqt, dq, *common, **consts, STATS=False)
-    cols = (triton.cdiv(S, BLOCK_S), BG)
-    _bwd_cols[cols](q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dkt, dk, dv, *common, **consts)
+    rows = (triton.cdiv(T, BLOCK_T), BG)
+    row_args = (q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dqt, dq, *common)
+    _launch(_bwd_rows, (*rows, 1), *row_args, **consts, STATS=True)
+    _launch(_bwd_rows, (*rows, parts), *row_args, **consts, STATS=False)
+    cols = (triton.cdiv(S, BLOCK_S), BG, parts)
+    _launch(_bwd_cols, cols, q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dkt, dk, dv, *common, **consts)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dqt, (dkt if kt is not None else None)
 
 

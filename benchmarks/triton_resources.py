@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""What each Triton DCMHA kernel needs of a GPU, compiled for a CUDA target on a machine without one.
+
+    python benchmarks/triton_resources.py                                 # Pythia-160M and 6.9B heads, bf16, sm_90
+    python benchmarks/triton_resources.py --heads 32 --head-dim 80 --dtype fp32 --arch 80
+
+Compiles `_fwd`, `_bwd_rows` (both passes) and `_bwd_cols` of `modeling_dcformer/triton_kernel.py` with Triton's
+own compiler and ptxas (they ship with the `triton` wheel; no driver is needed) for each shape, with the block
+settings the package uses (`block_settings`), and prints the shared memory of one program against the GPU's
+limit, and from the cubin (the bundled `cuobjdump`) the registers per thread and the stack bytes per thread (spilled
+registers: 0 is the goal, since spills go through local memory). It measures no speed: that needs a GPU (`bench_attention.py --device cuda`). Each kernel takes 5-60 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from modeling_dcformer import triton_kernel  # noqa: E402
+
+# usable shared memory per block (KiB) by compute capability
+SHARED_LIMIT_KIB = {80: 163, 86: 99, 89: 99, 90: 227}
+KERNELS = ("fwd", "bwd_stats", "bwd_rows", "bwd_cols")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", default="12,32", help="heads per group, comma-separated (default 12,32)")
+    p.add_argument("--head-dim", default="64,128", help="head size for each --heads entry (default 64,128)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--rank", type=int, default=2)
+    p.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT_KIB), help="compute capability")
+    p.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
+    p.add_argument("--warps", type=int, default=None, help="override the package's num_warps")
+    args = p.parse_args(argv)
+    args.heads = [int(x) for x in args.heads.split(",")]
+    args.head_dim = [int(x) for x in args.head_dim.split(",")]
+    if len(args.heads) != len(args.head_dim):
+        p.error("--heads and --head-dim need the same number of entries")
+    args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    for k in args.kernels:
+        if k not in KERNELS:
+            p.error(f"--kernels: unknown {k!r} ({', '.join(KERNELS)})")
+    return args
+
+
+def compile_kernel(name: str, heads: int, head_dim: int, dtype: str, rank: int, arch: int, warps: int | None = None):
+    """The compiled kernel `name` for `heads` heads per group of `head_dim` dimensions, and its block settings."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    MP, DHP = max(2, triton.next_power_of_2(heads)), max(16, triton.next_power_of_2(head_dim))
+    settings = triton_kernel.block_settings(MP, DHP)
+    if warps is not None:
+        settings["num_warps"] = warps
+    consts = dict(
+        I=rank, HAS_KEY=True, HAS_PAD=True, HAS_WINDOW=True, MP=MP, DHP=DHP, DK=settings["DK"], DV=settings["DV"],
+        BT=triton_kernel.BLOCK_T, BS=triton_kernel.BLOCK_S, PRECISION="ieee",
+    )  # fmt: skip
+    fn = {"fwd": triton_kernel._fwd, "bwd_cols": triton_kernel._bwd_cols}.get(name, triton_kernel._bwd_rows)
+    if fn is triton_kernel._bwd_rows:
+        consts["STATS"] = name == "bwd_stats"
+    activations = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "do_ptr")
+
+    def arg_type(arg: str) -> str:
+        if arg in consts:
+            return "constexpr"
+        if arg.endswith("_ptr"):
+            return f"*{dtype}" if arg in activations else "*u8" if arg == "pad_ptr" else "*fp32"
+        return "fp32" if arg == "scale" else "i32"
+
+    source = ASTSource(fn, {arg: arg_type(arg) for arg in fn.arg_names}, constexprs=consts)
+    options = {k: v for k, v in settings.items() if k.startswith("num_")}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options), settings
+
+
+def registers_and_stack(kernel) -> tuple[str, str]:
+    """(registers per thread, stack bytes per thread) from `cuobjdump --dump-resource-usage`, or ("?", "?")."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        try:
+            report = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        except OSError:
+            return "?", "?"
+    regs, stack = re.search(r"REG:(\d+)", report), re.search(r"STACK:(\d+)", report)
+    return (regs.group(1) if regs else "?"), (stack.group(1) if stack else "?")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if triton_kernel.triton is None:
+        print("Triton is not installed (pip install triton)", file=sys.stderr)
+        return 1
+    limit = SHARED_LIMIT_KIB[args.arch]
+    print(f"- Triton {triton_kernel.triton.__version__}, sm_{args.arch} (shared memory per block: {limit} KiB), "
+          f"{args.dtype}, rank {args.rank}")  # fmt: skip
+    print("| heads per group | head size | kernel | DK | DV | warps | shared (KiB) | fits | registers | stack (B) |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    too_big = 0
+    for heads, head_dim in zip(args.heads, args.head_dim):
+        for name in args.kernels:
+            start = time.perf_counter()
+            kernel, settings = compile_kernel(name, heads, head_dim, args.dtype, args.rank, args.arch, args.warps)
+            shared = kernel.metadata.shared / 1024
+            fits = shared <= limit
+            too_big += not fits
+            regs, stack = registers_and_stack(kernel)
+            print(f"| {heads} | {head_dim} | {name} | {settings['DK']} | {settings['DV']} | {settings['num_warps']} | "
+                  f"{shared:.0f} | {'yes' if fits else 'NO'} | {regs} | {stack} |", flush=True)  # fmt: skip
+            print(f"  ({name} compiled in {time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    return 0 if too_big == 0 else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
