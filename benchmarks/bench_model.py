@@ -137,6 +137,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--malloc", choices=("pinned", "default"), default="pinned",
                    help="memory runs: 'pinned' fixes glibc's mmap threshold at 128 KiB so that the RSS peak follows "
                         "live tensors; 'default' leaves glibc as it is (its heap then retains freed blocks of up to 32 MiB)")
+    p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                   help="decode: generate's cache_implementation, for both models (static: buffers written in place)")
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
     p.add_argument("--quick", action="store_true", help="tiny model and short inputs: a smoke test")
     p.add_argument("--sweep", action="store_true",
@@ -325,11 +327,12 @@ def make_step(model, phase: str, dc_cfg: DCFormerConfig, opts: dict):
     else:
         model.eval()
         new = opts["decode_new"]
+        cache = None if opts.get("cache", "dynamic") == "dynamic" else opts["cache"]
 
         def step():
             with torch.inference_mode():
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                     do_sample=False, use_cache=True)
+                                     do_sample=False, use_cache=True, cache_implementation=cache)
             assert out.shape[1] == ids.shape[1] + new, out.shape
     return step
 
@@ -600,7 +603,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     base_name, _ = baseline_config(dc_cfg)
     opts = dict(threads=args.threads, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
                 decode_prompt=args.decode_prompt, decode_new=args.decode_new, repeats=args.repeats,
-                malloc=args.malloc)
+                malloc=args.malloc, cache=args.cache)
     argv_list = sys.argv[1:] if argv is None else list(argv)
     command = " ".join(["python", "benchmarks/bench_model.py", *map(shlex.quote, argv_list)])
     load_before = load_average()
@@ -659,7 +662,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
         f"(query chunks of {dc_cfg.attention_chunk_size})")
     say(f"- batch {args.batch_size}; prefill (logits of the last position, cache filled) and fwd+bwd (train mode, "
         f"loss + backward, no optimizer) on {args.seq_len} tokens; decode: greedy `generate`, {args.decode_prompt} "
-        f"prompt + {args.decode_new} new tokens, use_cache, prompt included")
+        f"prompt + {args.decode_new} new tokens, use_cache ({args.cache} cache), prompt included")
     say(f"- time: per phase one fresh process holds both models, 1 warm-up each, then {args.repeats} runs "
         f"interleaved, median; memory: one run after a warm-up run in a fresh process per model and phase")
     say(f"- load average (1/5/15 min) before: {load_before}, after: {load_average()}")

@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -979,14 +979,103 @@ class DCFormerCacheLayer(DynamicLayer):
             self.key_terms = self.key_terms[indices, ...]
 
 
-class DCFormerCache(Cache):
-    """Cache of a DCFormer model: one `DCFormerCacheLayer` per layer (local layers keep only their window)."""
+class DCFormerStaticCacheLayer(CacheLayerMixin):
+    """One layer's cache in buffers of `max_cache_len` tokens allocated at the first step: each step writes its
+    keys, values and key composition factors in place (no copy of what is already cached, unlike the growing
+    `DCFormerCacheLayer`) and attends to views of the filled part (on a local layer, its window)."""
 
-    def __init__(self, config: DCFormerConfig):
-        layers = [
-            DCFormerCacheLayer(config.window_size if layer_type == "sliding_attention" else None)
-            for layer_type in config.layer_types
-        ]
+    is_compileable = False  # the views grow with the cache: the attention's shapes are not static
+    is_sliding = False
+
+    def __init__(self, max_cache_len: int, window_size: int | None = None):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.window_size = window_size
+        self.key_terms: torch.Tensor | None = None
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states, value_states, key_terms=None) -> None:
+        B, N, _, Dh = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros(B, N, self.max_cache_len, Dh)
+        self.values = value_states.new_zeros(B, N, self.max_cache_len, Dh)
+        if key_terms is not None:
+            self.key_terms = key_terms.new_zeros(B, self.max_cache_len, *key_terms.shape[2:])
+        self.is_initialized = True
+
+    def update_dcmha(self, key, value, key_terms):
+        if not self.is_initialized:
+            self.lazy_initialization(key, value, key_terms)
+        start, end = self.cumulative_length, self.cumulative_length + key.shape[-2]
+        if end > self.max_cache_len:
+            raise ValueError(
+                f"the static DCFormer cache holds max_cache_len={self.max_cache_len} tokens; this step would need "
+                f"{end}: make it longer (generate's max_cache_len, or max_new_tokens)"
+            )
+        self.keys[:, :, start:end] = key
+        self.values[:, :, start:end] = value
+        if key_terms is not None:
+            self.key_terms[:, start:end] = key_terms
+        self.cumulative_length = end
+        first = 0 if self.window_size is None else max(0, start - self.window_size + 1)  # what the step can see
+        terms = None if self.key_terms is None else self.key_terms[:, first:end]
+        return self.keys[:, :, first:end], self.values[:, :, first:end], terms
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("DCFormer layers update their cache through DCFormerCache.update_dcmha")
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.cumulative_length = 0  # the buffers stay: the next sequence overwrites them
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Keep the first `tokens_to_remove` tokens (or drop the last -`tokens_to_remove` when negative), as
+        `DynamicLayer.crop` does."""
+        if tokens_to_remove < 0:
+            self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
+        elif tokens_to_remove < self.cumulative_length:
+            self.cumulative_length = tokens_to_remove
+
+    def _select(self, fn) -> None:
+        if self.is_initialized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+            if self.key_terms is not None:
+                self.key_terms = fn(self.key_terms)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda t: t[indices, ...])
+
+
+class DCFormerCache(Cache):
+    """Cache of a DCFormer model: one `DCFormerCacheLayer` per layer (growing; local layers keep only their window),
+    or with `max_cache_len` one `DCFormerStaticCacheLayer` per layer (buffers of that many tokens, written in place:
+    `generate(..., cache_implementation="static")`)."""
+
+    def __init__(self, config: DCFormerConfig, max_cache_len: int | None = None):
+        windows = [config.window_size if kind == "sliding_attention" else None for kind in config.layer_types]
+        if max_cache_len is None:
+            layers = [DCFormerCacheLayer(window) for window in windows]
+        else:
+            if not isinstance(max_cache_len, int) or max_cache_len < 1:
+                raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+            layers = [DCFormerStaticCacheLayer(max_cache_len, window) for window in windows]
         super().__init__(layers=layers)
 
     def update_dcmha(self, key, value, key_terms, layer_idx: int, window_size: int | None):
@@ -1244,10 +1333,29 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # a DynamicCache cannot hold the keys' composition terms
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """`generate()` starts from a `DCFormerCache` (keys, values and the keys' composition factors)."""
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size: int, max_cache_length: int, *args, **kwargs
+    ):
+        """`generate()` starts from a `DCFormerCache` (keys, values and the keys' composition factors): growing, or
+        with `cache_implementation="static"` in buffers of `max_cache_len` (else the generation's max length)
+        tokens."""
+        implementation = generation_config.cache_implementation
+        if implementation is not None and implementation not in ("dynamic", "static"):
+            raise ValueError(
+                f'cache_implementation={implementation!r} is not supported by DCFormer (its cache also holds the keys\' '
+                'composition factors): use "dynamic" (the default) or "static"'
+            )
+        if model_kwargs.get("past_key_values") is not None:
+            if implementation is not None:
+                raise ValueError("pass either cache_implementation or past_key_values to generate(), not both")
+            model_kwargs["past_key_values"]._is_user_defined = True  # as transformers marks a cache it was given
+            return
+        if generation_config.use_cache is False:
+            return
+        if implementation == "static":
+            length = max(max_cache_length, generation_config.max_cache_len or 0)
+            model_kwargs["past_key_values"] = DCFormerCache(self.config, max_cache_len=length)
+        else:
             model_kwargs["past_key_values"] = DCFormerCache(self.config)
 
     def get_output_embeddings(self):

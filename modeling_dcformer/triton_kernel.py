@@ -163,7 +163,7 @@ if triton is not None:
         """[MP, BT, BS] = sum_d x[m, t, d] y[m, s, d] (q.k, or dout.v), DK head dimensions at a time: operands of
         [heads, 16, DK] instead of [heads, 16, Dh] keep a program within the GPU's shared memory."""
         acc = tl.zeros((MP, BT, BS), tl.float32)
-        for d0 in tl.static_range(0, DHP, DK):
+        for d0 in range(0, DHP, DK):
             offs_d = d0 + tl.arange(0, DK)
             x = _rows(x_ptr, x_base, sx_n, sx_t, offs_m, offs_t, offs_d, M, T, DH)
             y = _rows_t(y_ptr, y_base, sy_n, sy_s, offs_m, offs_s, offs_d, M, S, DH)

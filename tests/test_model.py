@@ -383,6 +383,44 @@ def test_cache_crop_select_and_reset(tiny_model):
         cache.crop(-1)
 
 
+@pytest.mark.parametrize("body", ["global", "LG-w3", "LG-w3-qknorm-groups2-llama"])
+def test_static_cache_decoding_matches_full_forward(tiny_model, body):
+    """A static cache (buffers of max_cache_len tokens written in place): prefill, then one token at a time, the
+    logits of the full forward pass; the buffers are the ones allocated at the first step."""
+    model = tiny_model(**BODIES[body])
+    ids = rand_ids(2, 9)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DCFormerCache(model.config, max_cache_len=12)
+        steps = [model(ids[:, :4], past_key_values=cache, use_cache=True).logits]
+        buffers = [layer.keys.data_ptr() for layer in cache.layers]
+        for t in range(4, 9):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    assert [layer.keys.data_ptr() for layer in cache.layers] == buffers
+    assert all(layer.keys.shape[-2] == 12 for layer in cache.layers) and cache.get_seq_length() == 9
+
+
+def test_static_cache_crop_select_reset_and_overflow(tiny_model):
+    model = tiny_model(window_size=3)  # a static local layer keeps every key: it can be cropped
+    ids = rand_ids(2, 10)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DCFormerCache(model.config, max_cache_len=10)
+        model(ids[:, :8], past_key_values=cache)
+        cache.crop(-3)
+        assert cache.get_seq_length() == 5
+        torch.testing.assert_close(model(ids[:, 5:], past_key_values=cache).logits, full[:, 5:], rtol=1e-4, atol=1e-4)
+        cache.reset()
+        model(ids[:, :8], past_key_values=cache)
+        cache.batch_select_indices(torch.tensor([1]))
+        torch.testing.assert_close(model(ids[1:, 8:], past_key_values=cache).logits, full[1:, 8:], rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="max_cache_len=10 tokens; this step would need 11"):
+            model(rand_ids(1, 1), past_key_values=cache)
+    with pytest.raises(ValueError, match="max_cache_len must be a positive integer"):
+        DCFormerCache(model.config, max_cache_len=0)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 6. generate()
 # ------------------------------------------------------------------------------------------------------------
@@ -416,6 +454,37 @@ def test_prompt_lookup_decoding_matches_greedy(tiny_model):
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3)
     assert torch.equal(got, manual_greedy(model, ids, None, 10))
+
+
+@pytest.mark.parametrize(
+    "decoding",
+    [dict(do_sample=False), dict(num_beams=3, do_sample=False), dict(do_sample=True, top_k=5)],
+    ids=["greedy", "beam3", "sample"],
+)
+def test_static_cache_generates_like_the_dynamic_one(tiny_model, decoding):
+    """generate(cache_implementation="static"): a left-padded batch, local layers, the same tokens as the default
+    (growing) cache; the cache it used holds buffers of the generation's length (transformers' max_cache_len)."""
+    model = tiny_model(**GEN_BODY)
+    ids, mask = rand_ids(2, 6), torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=7, pad_token_id=0, **decoding)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        dynamic = model.generate(ids, **kwargs)
+        torch.manual_seed(3)
+        static = model.generate(ids, cache_implementation="static", return_dict_in_generate=True, **kwargs)
+    assert torch.equal(static.sequences, dynamic)
+    layer = static.past_key_values.layers[0]
+    assert layer.get_max_length() == layer.keys.shape[-2] == 6 + 7 - 1  # the last token is never fed back
+
+
+def test_unsupported_cache_implementation_is_a_clear_error(tiny_model):
+    model = tiny_model()
+    ids = rand_ids(1, 4)
+    with pytest.raises(ValueError, match="cache_implementation='offloaded' is not supported by DCFormer"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="offloaded")
+    with pytest.raises(ValueError, match="not both"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="static", past_key_values=DCFormerCache(model.config))
 
 
 def test_sampling_is_reproducible(tiny_model):
