@@ -7,8 +7,9 @@
 Compiles `_fwd`, `_bwd_rows` (both passes) and `_bwd_cols` of `modeling_dcformer/triton_kernel.py` with Triton's
 own compiler and ptxas (they ship with the `triton` wheel; no driver is needed) for each shape, with the block
 settings the package uses (`block_settings`), and prints the shared memory of one program against the GPU's
-limit, and from the cubin (the bundled `cuobjdump`) the registers per thread and the stack bytes per thread (spilled
-registers: 0 is the goal, since spills go through local memory). It measures no speed: that needs a GPU (`bench_attention.py --device cuda`). Each kernel takes 5-60 s.
+limit, and from the cubin (the bundled `cuobjdump`) the registers per thread and the stack bytes per thread
+(spilled registers: 0 is the goal, since spills go through local memory). It measures no speed: that needs a GPU
+(`bench_attention.py --device cuda`). Each kernel takes 5-60 s to compile.
 """
 
 from __future__ import annotations

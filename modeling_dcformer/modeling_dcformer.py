@@ -715,7 +715,7 @@ def dcmha_attention(
     kernel_problem = kernel_unsupported(query, (query, key, value, query_terms, key_terms), query_terms, rank)
     triton_why = triton_problem(query, query_terms, rank, output_attentions) if implementation == "triton" else None
     impl = resolve_dcmha_implementation(implementation, query.device, N * T * keys_seen, kernel_problem, triton_why)
-    if impl == "triton" and query_terms is not None:  # the whole call in one go: no chunks, no [heads, queries, keys] tensor
+    if impl == "triton" and query_terms is not None:  # the whole call at once: no chunks, no [N, T, S] tensor
         args = (query, key, value, query_terms, key_terms, query_start, key_start, key_padding_mask, window_size)
         return dcmha_triton(*args, rank, num_groups), None
     outputs = []
@@ -900,7 +900,22 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------------------------
-class DCFormerCacheLayer(DynamicLayer):
+class DCFormerLayerLength:
+    """What both DCFormer cache layers share: they count the tokens seen, and fill through `update_dcmha`."""
+
+    cumulative_length: int
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("DCFormer layers update their cache through DCFormerCache.update_dcmha")
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+
+class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
     """One layer's cache: keys and values [B, N, S, Dh] and each key's composition factors
     [B, S, G, Ck, 2I+1, M] (w1, w2 and the diagonal of the pre- and post-key slots: 10 N numbers a key with
     I = 2, never N x N matrices). A local layer keeps only the last `window_size - 1` keys between steps."""
@@ -934,15 +949,6 @@ class DCFormerCacheLayer(DynamicLayer):
             if self.key_terms is not None:
                 self.key_terms = self.key_terms[:, self.key_terms.shape[1] - keep :]
         return full
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("DCFormer layers update their cache through DCFormerCache.update_dcmha")
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
 
     def reset(self) -> None:
         super().reset()
@@ -979,7 +985,7 @@ class DCFormerCacheLayer(DynamicLayer):
             self.key_terms = self.key_terms[indices, ...]
 
 
-class DCFormerStaticCacheLayer(CacheLayerMixin):
+class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
     """One layer's cache in buffers of `max_cache_len` tokens allocated at the first step: each step writes its
     keys, values and key composition factors in place (no copy of what is already cached, unlike the growing
     `DCFormerCacheLayer`) and attends to views of the filled part (on a local layer, its window)."""
@@ -1020,15 +1026,6 @@ class DCFormerStaticCacheLayer(CacheLayerMixin):
         first = 0 if self.window_size is None else max(0, start - self.window_size + 1)  # what the step can see
         terms = None if self.key_terms is None else self.key_terms[:, first:end]
         return self.keys[:, :, first:end], self.values[:, :, first:end], terms
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("DCFormer layers update their cache through DCFormerCache.update_dcmha")
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -1342,8 +1339,8 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         implementation = generation_config.cache_implementation
         if implementation is not None and implementation not in ("dynamic", "static"):
             raise ValueError(
-                f'cache_implementation={implementation!r} is not supported by DCFormer (its cache also holds the keys\' '
-                'composition factors): use "dynamic" (the default) or "static"'
+                f"cache_implementation={implementation!r} is not supported by DCFormer (its cache also holds the "
+                'keys\' composition factors): use "dynamic" (the default) or "static"'
             )
         if model_kwargs.get("past_key_values") is not None:
             if implementation is not None:

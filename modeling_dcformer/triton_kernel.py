@@ -179,6 +179,27 @@ if triton is not None:
         tl.store(ptr + base + m3 * st_n + t3 * st_t + d3, value.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _factor_bases(bg, M, T, S, I: tl.constexpr):
+        """Offsets of one (batch, group)'s pre- and post-softmax factors in the query and key factor tensors."""
+        q_pre = (bg * 2) * (2 * I + 1) * M * T
+        k_pre = (bg * 2) * (2 * I + 1) * M * S
+        return q_pre, q_pre + (2 * I + 1) * M * T, k_pre, k_pre + (2 * I + 1) * M * S
+
+    @triton.jit
+    def _scores(q_ptr, k_ptr, qt_ptr, kt_ptr, pad_ptr, b, q_base, k_base, sq_n, sq_t, sk_n, sk_s, q_pre, k_pre,
+                offs_m, offs_t, offs_s, T, S, M, DH, query_pos0, key_pos0, window, scale,
+                I: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                MP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, DHP: tl.constexpr, DK: tl.constexpr,
+                PRECISION: tl.constexpr):  # fmt: skip
+        """A [MP, BT, BS] block before the softmax: the scores a, Compose(a) and which (query, key) pairs see
+        each other."""
+        a = _product(q_ptr, q_base, sq_n, sq_t, k_ptr, k_base, sk_n, sk_s, offs_m, offs_t, offs_s, M, T, S, DH,
+                     MP, BT, BS, DHP, DK, PRECISION) * scale  # fmt: skip
+        z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
+        ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
+        return a, z, ok
+
+    @triton.jit
     def _fwd(q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, pad_ptr, out_ptr, lse_ptr,
              sq_b, sq_n, sq_t, sk_b, sk_n, sk_s, sv_b, sv_n, sv_s, so_b, so_t, so_n,
              T, S, G, M, DH, query_pos0, key_pos0, window, scale,
@@ -197,19 +218,17 @@ if triton is not None:
         offs_v = part * DV + tl.arange(0, DV)
         q_base = b * sq_b + g * M * sq_n
         k_base = b * sk_b + g * M * sk_n
-        q_pre = (bg * 2) * (2 * I + 1) * M * T
-        q_post = q_pre + (2 * I + 1) * M * T
-        k_pre = (bg * 2) * (2 * I + 1) * M * S
-        k_post = k_pre + (2 * I + 1) * M * S
+        q_pre, q_post, k_pre, k_post = _factor_bases(bg, M, T, S, I)
         lo, hi = _key_range(t_start, T, query_pos0, key_pos0, S, window, HAS_WINDOW, BT)
         row_max = tl.full((MP, BT), float("-inf"), tl.float32)
         row_sum = tl.zeros((MP, BT), tl.float32)
         for s_start in range(lo, hi, BS):
             offs_s = s_start + tl.arange(0, BS)
-            a = _product(q_ptr, q_base, sq_n, sq_t, k_ptr, k_base, sk_n, sk_s, offs_m, offs_t, offs_s, M, T, S, DH,
-                         MP, BT, BS, DHP, DK, PRECISION) * scale  # fmt: skip
-            z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
-            ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
+            a, z, ok = _scores(
+                q_ptr, k_ptr, qt_ptr, kt_ptr, pad_ptr, b, q_base, k_base, sq_n, sq_t, sk_n, sk_s, q_pre, k_pre,
+                offs_m, offs_t, offs_s, T, S, M, DH, query_pos0, key_pos0, window, scale,
+                I, HAS_KEY, HAS_PAD, HAS_WINDOW, MP, BT, BS, DHP, DK, PRECISION,
+            )  # fmt: skip
             z = tl.where(ok, z, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(z, axis=2))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -223,10 +242,11 @@ if triton is not None:
         acc = tl.zeros((MP, BT, DV), tl.float32)
         for s_start in range(lo, hi, BS):
             offs_s = s_start + tl.arange(0, BS)
-            a = _product(q_ptr, q_base, sq_n, sq_t, k_ptr, k_base, sk_n, sk_s, offs_m, offs_t, offs_s, M, T, S, DH,
-                         MP, BT, BS, DHP, DK, PRECISION) * scale  # fmt: skip
-            z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
-            ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
+            a, z, ok = _scores(
+                q_ptr, k_ptr, qt_ptr, kt_ptr, pad_ptr, b, q_base, k_base, sq_n, sq_t, sk_n, sk_s, q_pre, k_pre,
+                offs_m, offs_t, offs_s, T, S, M, DH, query_pos0, key_pos0, window, scale,
+                I, HAS_KEY, HAS_PAD, HAS_WINDOW, MP, BT, BS, DHP, DK, PRECISION,
+            )  # fmt: skip
             p = tl.where(ok, tl.exp(z - tl.expand_dims(lse, 2)), 0.0)
             o = _compose(p, qt_ptr, q_post, kt_ptr, k_post, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
             o = tl.where(ok, o, 0.0)
@@ -243,10 +263,11 @@ if triton is not None:
                PRECISION: tl.constexpr):  # fmt: skip
         """The forward of one [MP, BT, BS] block again, and the backward up to the probabilities: returns the
         scores a, the probabilities p, the gradient dO of the composed probabilities (masked), dP and the mask."""
-        a = _product(q_ptr, q_base, sq_n, sq_t, k_ptr, k_base, sk_n, sk_s, offs_m, offs_t, offs_s, M, T, S, DH,
-                     MP, BT, BS, DHP, DK, PRECISION) * scale  # fmt: skip
-        z = _compose(a, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
-        ok = _visible(offs_t, offs_s, T, S, pad_ptr, b, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
+        a, z, ok = _scores(
+            q_ptr, k_ptr, qt_ptr, kt_ptr, pad_ptr, b, q_base, k_base, sq_n, sq_t, sk_n, sk_s, q_pre, k_pre,
+            offs_m, offs_t, offs_s, T, S, M, DH, query_pos0, key_pos0, window, scale,
+            I, HAS_KEY, HAS_PAD, HAS_WINDOW, MP, BT, BS, DHP, DK, PRECISION,
+        )  # fmt: skip
         p = tl.where(ok, tl.exp(z - tl.expand_dims(lse, 2)), 0.0)
         d_o = _product(do_ptr, do_base, sd_n, sd_t, v_ptr, v_base, sv_n, sv_s, offs_m, offs_t, offs_s, M, T, S, DH,
                        MP, BT, BS, DHP, DK, PRECISION)  # fmt: skip
@@ -277,10 +298,7 @@ if triton is not None:
         k_base = b * sk_b + g * M * sk_n
         v_base = b * sv_b + g * M * sv_n
         do_base = b * sd_b + g * M * sd_n  # dout is [B, T, N, Dh], the layout of the forward's output
-        q_pre = (bg * 2) * (2 * I + 1) * M * T
-        q_post = q_pre + (2 * I + 1) * M * T
-        k_pre = (bg * 2) * (2 * I + 1) * M * S
-        k_post = k_pre + (2 * I + 1) * M * S
+        q_pre, q_post, k_pre, k_post = _factor_bases(bg, M, T, S, I)
         row_mask = (offs_m[:, None] < M) & (offs_t[None, :] < T)
         row_off = (bg * M + offs_m[:, None]) * T + offs_t[None, :]
         lse = tl.load(lse_ptr + row_off, mask=row_mask, other=float("inf"))
@@ -335,10 +353,7 @@ if triton is not None:
         k_base = b * sk_b + g * M * sk_n
         v_base = b * sv_b + g * M * sv_n
         do_base = b * sd_b + g * M * sd_n
-        q_pre = (bg * 2) * (2 * I + 1) * M * T
-        q_post = q_pre + (2 * I + 1) * M * T
-        k_pre = (bg * 2) * (2 * I + 1) * M * S
-        k_post = k_pre + (2 * I + 1) * M * S
+        q_pre, q_post, k_pre, k_post = _factor_bases(bg, M, T, S, I)
         # the queries [lo, hi) that can see a key of this block
         lo = tl.maximum(0, key_pos0 + s_start - query_pos0)
         hi = T

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import modeling_dcformer.modeling_dcformer as mdl
 from modeling_dcformer import triton_kernel
 from oracle import oracle_compose
 from test_fast_dcmha import assert_decoding_matches_full_forward, assert_rows_match_oracle, loss_and_grads, padded_batch
