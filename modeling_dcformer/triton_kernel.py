@@ -276,6 +276,16 @@ if triton is not None:
         return a, p, d_o, d_p, ok
 
     @triton.jit
+    def _backward_program(G, M, sq_b, sq_n, sk_b, sk_n, sv_b, sv_n, sd_b, sd_n):
+        """A backward program's (batch x group, part of the head dimension, batch) and the offsets of its group's
+        first head in q, k, v and the output gradient (dout is [B, T, N, Dh], the forward output's layout)."""
+        bg = tl.program_id(1)
+        b = bg // G
+        g = bg % G
+        return (bg, tl.program_id(2), b, b * sq_b + g * M * sq_n, b * sk_b + g * M * sk_n, b * sv_b + g * M * sv_n,
+                b * sd_b + g * M * sd_n)  # fmt: skip
+
+    @triton.jit
     def _bwd_rows(q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, pad_ptr, do_ptr, lse_ptr, delta_ptr, dqt_ptr, dq_ptr,
                   sq_b, sq_n, sq_t, sk_b, sk_n, sk_s, sv_b, sv_n, sv_s, sd_b, sd_t, sd_n,
                   T, S, G, M, DH, query_pos0, key_pos0, window, scale,
@@ -287,17 +297,12 @@ if triton is not None:
         B x G, DHP / DV)), given D: DV of dq's head dimensions (into dq_ptr, [B, N, T, Dh] contiguous fp32) and,
         from the first part only, the gradients of the pre-softmax query factors."""
         t_start = tl.program_id(0) * BT
-        bg = tl.program_id(1)
-        part = tl.program_id(2)
-        b = bg // G
-        g = bg % G
+        bg, part, b, q_base, k_base, v_base, do_base = _backward_program(
+            G, M, sq_b, sq_n, sk_b, sk_n, sv_b, sv_n, sd_b, sd_n
+        )
         offs_m = tl.arange(0, MP)
         offs_t = t_start + tl.arange(0, BT)
         offs_v = part * DV + tl.arange(0, DV)
-        q_base = b * sq_b + g * M * sq_n
-        k_base = b * sk_b + g * M * sk_n
-        v_base = b * sv_b + g * M * sv_n
-        do_base = b * sd_b + g * M * sd_n  # dout is [B, T, N, Dh], the layout of the forward's output
         q_pre, q_post, k_pre, k_post = _factor_bases(bg, M, T, S, I)
         row_mask = (offs_m[:, None] < M) & (offs_t[None, :] < T)
         row_off = (bg * M + offs_m[:, None]) * T + offs_t[None, :]
@@ -329,7 +334,7 @@ if triton is not None:
         if STATS:
             tl.store(delta_ptr + row_off, delta, mask=row_mask)
         else:
-            _store_rows(dq_ptr, (b * G + g) * M * T * DH, T * DH, DH, dq, offs_m, offs_t, offs_v, M, T, DH)
+            _store_rows(dq_ptr, bg * M * T * DH, T * DH, DH, dq, offs_m, offs_t, offs_v, M, T, DH)
 
     @triton.jit
     def _bwd_cols(q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, pad_ptr, do_ptr, lse_ptr, delta_ptr, dkt_ptr, dk_ptr, dv_ptr,
@@ -342,17 +347,12 @@ if triton is not None:
         dimensions (into [B, N, S, Dh] contiguous fp32 buffers) and, from the first part only, the gradients of
         the key factors of both slots."""
         s_start = tl.program_id(0) * BS
-        bg = tl.program_id(1)
-        part = tl.program_id(2)
-        b = bg // G
-        g = bg % G
+        bg, part, b, q_base, k_base, v_base, do_base = _backward_program(
+            G, M, sq_b, sq_n, sk_b, sk_n, sv_b, sv_n, sd_b, sd_n
+        )
         offs_m = tl.arange(0, MP)
         offs_s = s_start + tl.arange(0, BS)
         offs_v = part * DV + tl.arange(0, DV)
-        q_base = b * sq_b + g * M * sq_n
-        k_base = b * sk_b + g * M * sk_n
-        v_base = b * sv_b + g * M * sv_n
-        do_base = b * sd_b + g * M * sd_n
         q_pre, q_post, k_pre, k_post = _factor_bases(bg, M, T, S, I)
         # the queries [lo, hi) that can see a key of this block
         lo = tl.maximum(0, key_pos0 + s_start - query_pos0)
@@ -385,7 +385,7 @@ if triton is not None:
                 if part == 0:
                     _add_mix_grads(p, d_o, kt_ptr, k_post, dkt_ptr, offs_m, offs_s, M, S, I, 1)
                     _add_mix_grads(a, d_z, kt_ptr, k_pre, dkt_ptr, offs_m, offs_s, M, S, I, 1)
-        base = (b * G + g) * M * S * DH
+        base = bg * M * S * DH
         _store_rows(dk_ptr, base, S * DH, DH, dk, offs_m, offs_s, offs_v, M, S, DH)
         _store_rows(dv_ptr, base, S * DH, DH, dv, offs_m, offs_s, offs_v, M, S, DH)
 
