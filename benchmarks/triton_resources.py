@@ -82,7 +82,7 @@ def compile_kernel(name: str, heads: int, head_dim: int, dtype: str, rank: int, 
         return "fp32" if arg == "scale" else "i32"
 
     source = ASTSource(fn, {arg: arg_type(arg) for arg in fn.arg_names}, constexprs=consts)
-    options = {k: v for k, v in settings.items() if k.startswith("num_")}
+    options = {k: v for k, v in settings.items() if k in ("num_warps", "num_stages", "maxnreg")}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options), settings
 
 

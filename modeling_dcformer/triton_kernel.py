@@ -393,14 +393,17 @@ if triton is not None:
 def block_settings(heads: int, head_dim: int) -> dict:
     """How a program splits its work, from the padded heads of a group and head size: DK head dimensions at a time
     in the q.k and dout.v products, DV of the output's head dimensions per program (each part recomputes the
-    probabilities), the warps, no software pipelining. Chosen from what the real compiler reports for sm_90
+    probabilities), the warps, no software pipelining, the registers a thread may use. Chosen from what the real compiler reports for sm_90
     without a GPU (`benchmarks/triton_resources.py`: shared memory, registers, spills), so that a program fits
     in a GPU's shared memory and spills little; their speed has not been measured on a GPU."""
     DK = min(head_dim, 32)
     DV = head_dim
     while heads * DV > 1024 and DV > 16:
         DV //= 2
-    return dict(DK=DK, DV=DV, num_warps=4 if heads * BLOCK_T * BLOCK_S < 4096 else 8, num_stages=1)
+    if heads * BLOCK_T * BLOCK_S < 4096:
+        return dict(DK=DK, DV=DV, num_warps=4, num_stages=1)
+    # maxnreg: left to itself, ptxas gave the 32-head kernels 32 registers a thread and spilled the rest
+    return dict(DK=DK, DV=DV, num_warps=8, num_stages=1, maxnreg=255)
 
 
 def _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups):

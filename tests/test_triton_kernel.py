@@ -64,6 +64,7 @@ CASES = {
     "rank3-cached": (1, 1, 4, 3, 8, 9, 40, True, 13, True, 31),
     "decode-step": (2, 2, 3, 2, 8, 1, 21, True, None, True, 20),
     "rank2-dh40": (1, 1, 4, 2, 40, 19, 19, True, 7, True, 0),
+    "16-heads": (1, 1, 16, 1, 16, 18, 18, True, None, True, 0),  # the 8-warp settings of big head groups
 }
 
 
