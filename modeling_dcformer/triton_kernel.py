@@ -373,18 +373,21 @@ if triton is not None:
                 T, S, M, DH, query_pos0, key_pos0, window, scale, I, HAS_KEY, HAS_PAD, HAS_WINDOW,
                 MP, BT, BS, DHP, DK, PRECISION,
             )  # fmt: skip
+            # in the order that lets each [MP, BT, BS] block die soonest (fewer registers spilled)
             o = _compose(p, qt_ptr, q_post, kt_ptr, k_post, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, False)
             o = tl.where(ok, o, 0.0)
             do = _rows(do_ptr, do_base, sd_n, sd_t, offs_m, offs_t, offs_v, M, T, DH)
             dv += _dot(tl.permute(o, (0, 2, 1)).to(do.dtype), do, PRECISION)
-            d_z = p * (d_p - tl.expand_dims(delta, 2))
-            d_a = _compose(d_z, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, True)
-            q = _rows(q_ptr, q_base, sq_n, sq_t, offs_m, offs_t, offs_v, M, T, DH)
-            dk += _dot(tl.permute(d_a, (0, 2, 1)).to(q.dtype), q, PRECISION) * scale
             if HAS_KEY:
                 if part == 0:
                     _add_mix_grads(p, d_o, kt_ptr, k_post, dkt_ptr, offs_m, offs_s, M, S, I, 1)
+            d_z = p * (d_p - tl.expand_dims(delta, 2))
+            if HAS_KEY:
+                if part == 0:
                     _add_mix_grads(a, d_z, kt_ptr, k_pre, dkt_ptr, offs_m, offs_s, M, S, I, 1)
+            d_a = _compose(d_z, qt_ptr, q_pre, kt_ptr, k_pre, offs_m, offs_t, offs_s, M, T, S, I, HAS_KEY, True)
+            q = _rows(q_ptr, q_base, sq_n, sq_t, offs_m, offs_t, offs_v, M, T, DH)
+            dk += _dot(tl.permute(d_a, (0, 2, 1)).to(q.dtype), q, PRECISION) * scale
         base = bg * M * S * DH
         _store_rows(dk_ptr, base, S * DH, DH, dk, offs_m, offs_s, offs_v, M, S, DH)
         _store_rows(dv_ptr, base, S * DH, DH, dv, offs_m, offs_s, offs_v, M, S, DH)
@@ -393,9 +396,10 @@ if triton is not None:
 def block_settings(heads: int, head_dim: int) -> dict:
     """How a program splits its work, from the padded heads of a group and head size: DK head dimensions at a time
     in the q.k and dout.v products, DV of the output's head dimensions per program (each part recomputes the
-    probabilities), the warps, no software pipelining, the registers a thread may use. Chosen from what the real compiler reports for sm_90
-    without a GPU (`benchmarks/triton_resources.py`: shared memory, registers, spills), so that a program fits
-    in a GPU's shared memory and spills little; their speed has not been measured on a GPU."""
+    probabilities), the warps, no software pipelining, the registers a thread may use. Chosen from what the real
+    compiler reports for sm_90 without a GPU (`benchmarks/triton_resources.py`: shared memory, registers, spills),
+    so that a program fits in a GPU's shared memory and spills little; their speed has not been measured on a
+    GPU."""
     DK = min(head_dim, 32)
     DV = head_dim
     while heads * DV > 1024 and DV > 16:
