@@ -614,6 +614,17 @@ def time_last(terms: torch.Tensor | None) -> torch.Tensor | None:
     return None if terms is None else terms.permute(0, 2, 3, 4, 5, 1).contiguous()
 
 
+def kernel_inputs(
+    query_terms: torch.Tensor, key_terms: torch.Tensor | None, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The factors and the padding as the CPU and Triton kernels take them: fp32 time-last factors
+    [B, G, 2, 2I+1, M, T or S] and a uint8 [B, S] padding mask (or None)."""
+    qt = time_last(query_terms.float())
+    kt = None if key_terms is None else time_last(key_terms.float())
+    pad = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    return qt, kt, pad
+
+
 def join_chunks(outputs: list[torch.Tensor]) -> torch.Tensor:
     """The chunks' outputs [B, c, N, Dh] along the queries; a single chunk (a decode step) is returned as it is."""
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -642,9 +653,7 @@ def dcmha_attention_kernel(
     q = query.reshape(B * N, T, Dh)  # views where they can be (batch 1): the matrix products take strides
     k = key.reshape(B * N, S, Dh)
     v = value.reshape(B * N, S, Dh)
-    qt = time_last(query_terms.float())  # [B, G, 2, 2I+1, M, T]
-    kt = None if key_terms is None else time_last(key_terms.float())
-    pad = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    qt, kt, pad = kernel_inputs(query_terms, key_terms, key_padding_mask)
     spans = chunk_spans(T, S, chunk_size, query_start, key_start, window_size)
     if not spans:
         return query.new_zeros(B, 0, N, Dh)
@@ -716,8 +725,8 @@ def dcmha_attention(
     triton_why = triton_problem(query, query_terms, rank, output_attentions) if implementation == "triton" else None
     impl = resolve_dcmha_implementation(implementation, query.device, N * T * keys_seen, kernel_problem, triton_why)
     if impl == "triton" and query_terms is not None:  # the whole call at once: no chunks, no [N, T, S] tensor
-        args = (query, key, value, query_terms, key_terms, query_start, key_start, key_padding_mask, window_size)
-        return dcmha_triton(*args, rank, num_groups), None
+        qt, kt, pad = kernel_inputs(query_terms, key_terms, key_padding_mask)
+        return dcmha_triton(query, key, value, qt, kt, pad, query_start, key_start, window_size, rank, num_groups), None
     outputs = []
     probs_all = query.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
     if impl == "kernel":

@@ -411,7 +411,8 @@ def block_settings(heads: int, head_dim: int) -> dict:
 
 
 def _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups):
-    """The arguments every kernel shares, after the pointers: strides, sizes, positions, constants."""
+    """What every kernel's arguments start with: the inputs (q, k, v, the factors and the padding; an absent one is
+    replaced by a tensor the kernel never reads), then the strides, sizes and positions; and the constants."""
     B, N, T, Dh = q.shape
     S = k.shape[2]
     M = N // groups
@@ -433,7 +434,8 @@ def _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, group
         PRECISION=precision,
     )
     strides = (*_strides3(q), *_strides3(k), *_strides3(v))
-    return strides, sizes, consts, (B * groups, T, S)
+    inputs = (q, k, v, qt, qt if kt is None else kt, qt if pad is None else pad)
+    return inputs, strides, sizes, consts
 
 
 def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
@@ -456,24 +458,20 @@ def _launch(kernel, grid, *args, **kwargs):
 
 
 def _forward(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups):
-    strides, sizes, consts, (BG, T, S) = _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups)
-    B, N, _, Dh = q.shape
+    inputs, strides, sizes, consts = _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups)
+    B, N, T, Dh = q.shape
     out = q.new_empty(B, T, N, Dh)
     lse = torch.empty(B, N, T, device=q.device, dtype=torch.float32)
-    kt_arg = qt if kt is None else kt  # never read without HAS_KEY
-    pad_arg = qt if pad is None else pad
-    grid = (triton.cdiv(T, BLOCK_T), BG, consts["DHP"] // consts["DV"])
-    _launch(_fwd, grid, q, k, v, qt, kt_arg, pad_arg, out, lse, *strides, out.stride(0), out.stride(1),
-            out.stride(2), *sizes, **consts)  # fmt: skip
+    grid = (triton.cdiv(T, BLOCK_T), B * groups, consts["DHP"] // consts["DV"])
+    _launch(_fwd, grid, *inputs, out, lse, *strides, out.stride(0), out.stride(1), out.stride(2), *sizes, **consts)
     return out, lse
 
 
 def _backward(dout, q, k, v, qt, kt, pad, lse, query_pos0, key_pos0, window, rank, groups):
-    strides, sizes, consts, (BG, T, S) = _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups)
+    inputs, strides, sizes, consts = _launch_args(q, k, v, qt, kt, pad, query_pos0, key_pos0, window, rank, groups)
+    (B, _, T, _), S = q.shape, k.shape[2]
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     d_strides = (dout.stride(0), dout.stride(1), dout.stride(2))  # [B, T, N, Dh]
-    kt_arg = qt if kt is None else kt
-    pad_arg = qt if pad is None else pad
     delta = torch.empty_like(lse)
     dqt = torch.zeros_like(qt)
     dkt = torch.zeros_like(kt) if kt is not None else dqt
@@ -482,12 +480,12 @@ def _backward(dout, q, k, v, qt, kt, pad, lse, query_pos0, key_pos0, window, ran
     dv = torch.empty(v.shape, device=q.device, dtype=torch.float32)
     parts = consts["DHP"] // consts["DV"]
     common = (*strides, *d_strides, *sizes)
-    rows = (triton.cdiv(T, BLOCK_T), BG)
-    row_args = (q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dqt, dq, *common)
+    rows = (triton.cdiv(T, BLOCK_T), B * groups)
+    row_args = (*inputs, dout, lse, delta, dqt, dq, *common)
     _launch(_bwd_rows, (*rows, 1), *row_args, **consts, STATS=True)
     _launch(_bwd_rows, (*rows, parts), *row_args, **consts, STATS=False)
-    cols = (triton.cdiv(S, BLOCK_S), BG, parts)
-    _launch(_bwd_cols, cols, q, k, v, qt, kt_arg, pad_arg, dout, lse, delta, dkt, dk, dv, *common, **consts)
+    cols = (triton.cdiv(S, BLOCK_S), B * groups, parts)
+    _launch(_bwd_cols, cols, *inputs, dout, lse, delta, dkt, dk, dv, *common, **consts)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dqt, (dkt if kt is not None else None)
 
 
@@ -510,29 +508,26 @@ def dcmha_triton(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    query_terms: torch.Tensor,
-    key_terms: torch.Tensor | None,
+    qt: torch.Tensor,
+    kt: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
     query_start: int,
     key_start: int,
-    key_padding_mask: torch.Tensor | None,
     window_size: int | None,
     rank: int,
     num_groups: int,
 ) -> torch.Tensor:
-    """Causal (optionally windowed) DCMHA, differentiable: the arguments of `dcmha_attention` (query [B, N, T, Dh],
-    key/value [B, N, S, Dh], query_terms [B, T, G, 2, 2I+1, M], key_terms [B, S, G, 2, 2I+1, M] or None, absolute
-    token indices of the first query and key, key_padding_mask [B, S] bool or None). Returns [B, T, N, Dh]."""
+    """Causal (optionally windowed) DCMHA, differentiable. query [B, N, T, Dh], key/value [B, N, S, Dh]; the
+    factors time-last and contiguous fp32, as `cpu_kernel.compose_softmax_compose` takes them: qt
+    [B, G, 2, 2I+1, M, T], kt [B, G, 2, 2I+1, M, S] or None; key_padding_mask [B, S] uint8 (1: a real token) or
+    None; absolute token indices of the first query and key. Returns [B, T, N, Dh]."""
     problem = unsupported(query.device, rank)
     if problem is not None:
         raise ValueError(f"the Triton DCMHA kernels cannot run: {problem}")
     B, N, T, Dh = query.shape
-    if query_terms.shape[:4] != (B, T, num_groups, 2) or query_terms.shape[-1] * num_groups != N:
-        raise ValueError(f"query_terms {tuple(query_terms.shape)} do not fit {N} heads in {num_groups} groups")
-    S = key.shape[2]
-    if T == 0 or S == 0:
+    if qt.shape[:3] != (B, num_groups, 2) or qt.shape[-1] != T or qt.shape[-2] * num_groups != N:
+        raise ValueError(f"query factors {tuple(qt.shape)} do not fit {N} heads in {num_groups} groups, {T} queries")
+    if T == 0 or key.shape[2] == 0:
         return query.new_zeros(B, T, N, Dh)
-    qt = query_terms.float().permute(0, 2, 3, 4, 5, 1).contiguous()  # [B, G, 2, 2I+1, M, T]
-    kt = None if key_terms is None else key_terms.float().permute(0, 2, 3, 4, 5, 1).contiguous()
-    pad = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
-    args = (query, key, value, qt, kt, pad, query_start, key_start, window_size, rank, num_groups)
+    args = (query, key, value, qt, kt, key_padding_mask, query_start, key_start, window_size, rank, num_groups)
     return _DCMHAFunction.apply(*args)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import modeling_dcformer.modeling_dcformer as mdl
 from modeling_dcformer import triton_kernel
 from oracle import oracle_compose
 from test_fast_dcmha import assert_decoding_matches_full_forward, assert_rows_match_oracle, loss_and_grads, padded_batch
@@ -99,10 +100,10 @@ def test_triton_matches_oracle_forward_and_backward(case, split, monkeypatch):
     ref_grads = torch.autograd.grad((ref * grad_out).sum(), leaves)
 
     ours = [x.to(DEVICE).requires_grad_() for x in inputs]
-    out = triton_kernel.dcmha_triton(
-        *ours[:4], ours[4] if key_wise else None, query_start, 0, None if pad is None else pad.to(DEVICE), window,
-        I, G,
-    )  # fmt: skip
+    # the factors laid out by the model's own (differentiable) preparation: their gradients come back in its layout
+    pad_in = None if pad is None else pad.to(DEVICE)
+    qt_in, kt_in, pad_in = mdl.kernel_inputs(ours[3], ours[4] if key_wise else None, pad_in)
+    out = triton_kernel.dcmha_triton(*ours[:3], qt_in, kt_in, pad_in, query_start, 0, window, I, G)
     assert out.shape == (B, T, N, Dh)
     grads = torch.autograd.grad((out * grad_out.float().to(DEVICE)).sum(), ours)
     assert_close(out.cpu(), ref)
@@ -185,9 +186,9 @@ def test_a_program_too_big_for_the_gpu_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(triton_kernel, "_fwd", TooBig())
     q = torch.zeros(1, 4, 5, 8, device=DEVICE)
-    terms = torch.zeros(1, 5, 1, 2, 5, 4, device=DEVICE)
+    terms = torch.zeros(1, 1, 2, 5, 4, 5, device=DEVICE)  # time-last [B, G, 2, 2I+1, M, T]
     with pytest.raises(ValueError, match="do not fit this GPU for 4 heads per group .* of 16 dimensions"):
-        triton_kernel.dcmha_triton(q, q, q, terms, terms, 0, 0, None, None, 2, 1)
+        triton_kernel.dcmha_triton(q, q, q, terms, terms, None, 0, 0, None, 2, 1)
 
 
 def test_kernels_compile_for_a_gpu_target_without_a_gpu():
