@@ -129,22 +129,18 @@ if triton is not None:
         return tl.expand_dims(ok, 0)
 
     @triton.jit
-    def _rows(ptr, base, st_n, st_t, offs_m, offs_t, offs_d, M, T, DH):
-        """A [MP, BT, DHP] block of q, k, v or an output gradient (zeros outside)."""
+    def _rows(ptr, base, st_n, st_x, offs_m, offs_x, offs_d, M, X, DH, X_LAST: tl.constexpr = False):
+        """A [MP, BX, DHP] block of q, k, v or an output gradient (zeros outside); with X_LAST, the same block
+        laid out [MP, DHP, BX] (k or v as the right operand of a product)."""
         m3 = offs_m[:, None, None]
-        t3 = offs_t[None, :, None]
-        d3 = offs_d[None, None, :]
-        mask = (m3 < M) & (t3 < T) & (d3 < DH)
-        return tl.load(ptr + base + m3 * st_n + t3 * st_t + d3, mask=mask, other=0.0)
-
-    @triton.jit
-    def _rows_t(ptr, base, st_n, st_s, offs_m, offs_s, offs_d, M, S, DH):
-        """A [MP, DHP, BS] block (keys last) of k or v."""
-        m3 = offs_m[:, None, None]
-        d3 = offs_d[None, :, None]
-        s3 = offs_s[None, None, :]
-        mask = (m3 < M) & (s3 < S) & (d3 < DH)
-        return tl.load(ptr + base + m3 * st_n + s3 * st_s + d3, mask=mask, other=0.0)
+        if X_LAST:
+            x3 = offs_x[None, None, :]
+            d3 = offs_d[None, :, None]
+        else:
+            x3 = offs_x[None, :, None]
+            d3 = offs_d[None, None, :]
+        mask = (m3 < M) & (x3 < X) & (d3 < DH)
+        return tl.load(ptr + base + m3 * st_n + x3 * st_x + d3, mask=mask, other=0.0)
 
     @triton.jit
     def _key_range(t_start, T, query_pos0, key_pos0, S, window, HAS_WINDOW: tl.constexpr, BT: tl.constexpr):
@@ -166,7 +162,7 @@ if triton is not None:
         for d0 in range(0, DHP, DK):
             offs_d = d0 + tl.arange(0, DK)
             x = _rows(x_ptr, x_base, sx_n, sx_t, offs_m, offs_t, offs_d, M, T, DH)
-            y = _rows_t(y_ptr, y_base, sy_n, sy_s, offs_m, offs_s, offs_d, M, S, DH)
+            y = _rows(y_ptr, y_base, sy_n, sy_s, offs_m, offs_s, offs_d, M, S, DH, True)
             acc += _dot(x, y, PRECISION)
         return acc
 
