@@ -14,7 +14,12 @@ import torch
 import modeling_dcformer.modeling_dcformer as mdl
 from modeling_dcformer import cpu_kernel
 from oracle import oracle_compose
-from test_fast_dcmha import assert_decoding_matches_full_forward, assert_rows_match_oracle, padded_batch
+from test_fast_dcmha import (
+    assert_auto_does_without,
+    assert_decoding_matches_full_forward,
+    assert_rows_match_oracle,
+    padded_batch,
+)
 from test_oracle import VOCAB, assert_close, build_model, make_config
 
 
@@ -261,16 +266,7 @@ def test_kernel_builds_once_into_the_cache_directory(fresh_build):
 
 def test_without_a_compiler_auto_does_without_and_kernel_says_why(fresh_build, monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernel, "compiler", lambda: None)
-    model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="eager"))
-    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = model(ids).logits
-        model.config.dcmha_implementation = "auto"
-        assert_close(model(ids).logits, expected)
-        assert mdl._kernel_failed
-        model.config.dcmha_implementation = "kernel"
-        with pytest.raises(RuntimeError, match="no C compiler"):
-            model(ids)
+    assert_auto_does_without("kernel", "_kernel_failed", "no C compiler", length=7)
     assert list(fresh_build.iterdir()) == []
 
 

@@ -217,16 +217,22 @@ def test_auto_falls_back_to_eager_when_compilation_fails(monkeypatch):
     monkeypatch.setattr(mdl, "compile_supported", lambda device: True)
     monkeypatch.setattr(mdl, "AUTO_COMPILE_MIN_SCORES", 1)
     monkeypatch.setattr(mdl, "_compile_failed", False)
+    assert_auto_does_without("compiled", "_compile_failed", "no C\\+\\+ compiler", length=9)
+    assert mdl.resolve_dcmha_implementation("auto", torch.device("cpu"), 10**9) == "eager"
+
+
+def assert_auto_does_without(implementation: str, failed_flag: str, error: str, length: int):
+    """An implementation that cannot be built: "auto" gives the eager logits and remembers the failure in
+    `modeling_dcformer.<failed_flag>`; asking for `implementation` itself raises the build's error."""
     model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="eager"))
-    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(ids).logits
         model.config.dcmha_implementation = "auto"
         assert_close(model(ids).logits, expected)
-        assert mdl._compile_failed
-        assert mdl.resolve_dcmha_implementation("auto", torch.device("cpu"), 10**9) == "eager"
-        model.config.dcmha_implementation = "compiled"
-        with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        assert getattr(mdl, failed_flag)
+        model.config.dcmha_implementation = implementation
+        with pytest.raises(RuntimeError, match=error):
             model(ids)
 
 
