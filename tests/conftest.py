@@ -29,6 +29,20 @@ TINY = dict(
 )
 
 
+def _one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP workers make them
+# 20-50x slower; one thread also makes the fp32 logits of two processes bit-identical (test_hub). A module takes
+# one of these with `pytestmark = pytest.mark.usefixtures(...)`; the previous count is restored afterwards.
+one_thread_per_module = pytest.fixture(scope="module", name="one_thread_per_module")(_one_torch_thread)
+one_thread_each_test = pytest.fixture(name="one_thread_each_test")(_one_torch_thread)  # for tests that set threads
+
+
 def randomize_dyn_w(model: torch.nn.Module, std: float = 0.5, seed: int = 1234) -> torch.nn.Module:
     """Overwrite every DCMHA dynamic-weight parameter (dw1, qkw, dd) with N(0, std^2): the default init is so
     small that a caching or padding bug in the composition terms would hide under the tolerances."""

@@ -23,12 +23,7 @@ from test_fast_dcmha import (
 from test_oracle import VOCAB, assert_close, build_model, make_config
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,12 +18,7 @@ from oracle import oracle_causal_lm, oracle_compose
 from test_oracle import VOCAB, as_double, assert_close, build_model, make_config
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
 
 @pytest.fixture

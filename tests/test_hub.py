@@ -40,13 +40,7 @@ LM_EVAL_RESULTS = {  # the shape of what lm-eval / evals/harness.py write (abrid
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models; one thread also makes the fp32 logits of this process and of the isolated one bit-identical."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def tiny(config_class=DCFormerConfig, seed: int = 0, **overrides) -> DCFormerForCausalLM:

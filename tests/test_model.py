@@ -41,14 +41,7 @@ BODIES = {
 body_params = pytest.mark.parametrize("body", list(BODIES), ids=list(BODIES))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning OpenMP workers
-    made this file 20x slower under load (8 s -> 180 s); restored afterwards for the other test files."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def rand_ids(batch, length, seed=0, vocab=100):

@@ -36,14 +36,7 @@ VOCAB, T_SEQ, BATCH, WINDOW = 64, 11, 2, 4
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """The tensors here are tiny: intra-op threads only add synchronisation, which on a loaded 2-core machine
-    costs up to 50x. Restored after this module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def make_config(**overrides) -> DCFormerConfig:

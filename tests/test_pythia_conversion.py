@@ -42,13 +42,7 @@ VARIANTS = {
 # ----------------------------------------------------------------------------------------------------------------
 # Fixtures: a tokenizer and GPT-NeoX checkpoints built locally
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """The models here are tiny: one intra-op thread is faster and does not spin against a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 @pytest.fixture(scope="module")

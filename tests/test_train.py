@@ -47,14 +47,7 @@ TOKENIZER_VOCAB = 384
 # ----------------------------------------------------------------------------------------------------------------
 # Fixtures and helpers
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP spinning makes each step
-    up to 30x slower: one thread, restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
 
 @pytest.fixture(scope="module")
