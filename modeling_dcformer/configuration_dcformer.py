@@ -15,6 +15,8 @@ from .released_format import is_released_config, translate_released_config
 NORM_TYPES = ("layernorm", "rmsnorm")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DCMHA_IMPLEMENTATIONS = ("auto", "eager", "compiled", "kernel", "triton")
+# Names added with `dcmha.DCMHAInterface.register` (a user's own backends): valid values too.
+REGISTERED_IMPLEMENTATIONS: set[str] = set()
 
 
 def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[bool]:
@@ -194,10 +196,9 @@ class DCFormerConfig(PreTrainedConfig):
                     f"({self.max_position_embeddings}): a local layer would be global; use window_size=None"
                 )
         parse_window_type(self.window_type, 1)  # validates the pattern even when no layer is local
-        if self.dcmha_implementation not in DCMHA_IMPLEMENTATIONS:
-            raise ValueError(
-                f"dcmha_implementation must be one of {DCMHA_IMPLEMENTATIONS}, got {self.dcmha_implementation!r}"
-            )
+        known = (*DCMHA_IMPLEMENTATIONS, *sorted(REGISTERED_IMPLEMENTATIONS))
+        if self.dcmha_implementation not in known:
+            raise ValueError(f"dcmha_implementation must be one of {known}, got {self.dcmha_implementation!r}")
 
     def _check_dcmha(self):
         if len(self.layer_types) != self.num_hidden_layers:

@@ -1,7 +1,7 @@
 """The authors' released checkpoint layout (Caiyun-AI/DCPythia-6.9B, Caiyun-AI/DCFormer-2.8B) and its
 translation to ours: config keys, state-dict keys, and the derived tensors that are never used.
 
-See `shared/DCMHA.md`, sections "Released configuration keys" and "Released state-dict keys".
+See docs/spec.md, sections "Released configuration keys" and "Released state-dict keys".
 """
 
 import re
@@ -40,7 +40,7 @@ DROPPED_KEYS = (
     "architectures",
     "model_type",
 )
-# Body of each released model_type (DCMHA.md, "Bodies").
+# Body of each released model_type (docs/spec.md, "Bodies").
 BODIES = {
     "dcpythia": dict(
         norm_type="layernorm", use_parallel_residual=True, hidden_act="gelu", use_gated_mlp=False,
@@ -142,7 +142,7 @@ def query_wise_slots(key: str, tensor, heads_per_group: int):
 
 # Split q/k/v projections, concatenated (all q, then all k, then all v) into our fused qkv_proj.
 SPLIT_QKV = re.compile(r"^layers\.(\d+)\.attention\.(wq|wk|wv)\.(weight|bias)$")
-# Derived tensors of the released files: recomputed or ignored, never used (DCMHA.md).
+# Derived tensors of the released files: recomputed or ignored, never used (docs/spec.md).
 IGNORED = [
     r"dyn_w_proj\.(dw_m|qkw_m)$",  # merged copies, possibly stale
     r"dyn_w_proj\.(pre_proj|post_proj)\.w$",  # identity static weights (checked by the converter)
@@ -175,3 +175,40 @@ RELEASED_KEY = (
     r"|attention\.(q_norm|k_norm)\.scale|(attention_norm|ffn_norm)\.(weight|bias)"
     r"|feed_forward\.w[123]\.(weight|bias))"
 )
+
+
+_registered_body: tuple | None = None
+
+
+def register_released_layout(model_type: str, use_gated_mlp: bool) -> None:
+    """Teach transformers' load-time weight conversion the released key names for a body, so that
+    `from_pretrained` reads released checkpoints directly (called before each load; registered again only when the
+    body changes: the released MLP's `w1` is our `gate_proj` in the gated body and `up_proj` otherwise). Only
+    released names match these patterns; ours load unchanged. A query-wise model keeps the query slots of a released
+    4-slot dynamic weight (the conversion reads the model's config)."""
+    global _registered_body
+    if _registered_body == (model_type, use_gated_mlp):
+        return
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Concatenate, ConversionOps, WeightConverter, WeightRenaming
+
+    class QueryWiseSlots(ConversionOps):
+        """Keeps the query slots of a released 4-slot dynamic weight for a query-wise model."""
+
+        def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs):
+            (tensors,) = input_dict.values()
+            tensor = tensors[0] if isinstance(tensors, list) else tensors
+            if config is not None and config.query_wise:
+                tensor = query_wise_slots(target_patterns[0], tensor, config.heads_per_group)
+            return {target_patterns[0]: tensor}
+
+    mapping = [WeightRenaming(source, target) for source, target in key_renames(use_gated_mlp)]
+    mapping.append(
+        WeightConverter(
+            [r"attention\.wq", r"attention\.wk", r"attention\.wv"], "self_attn.qkv_proj", operations=[Concatenate(dim=0)]
+        )
+    )
+    for name in ("dw1", "qkw", "dd"):
+        mapping.append(WeightConverter(rf"dyn_w_proj\.{name}", f"dyn_w_proj.{name}", operations=[QueryWiseSlots()]))
+    register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+    _registered_body = (model_type, use_gated_mlp)

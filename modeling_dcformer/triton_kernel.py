@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_kernel import MAX_RANK
+from .dcmha import DCMHABackend, DCMHAInputs
 
+MAX_RANK = 8  # dynamic_rank supported by the kernels
 
 try:
     import triton
@@ -514,7 +515,7 @@ def dcmha_triton(
     num_groups: int,
 ) -> torch.Tensor:
     """Causal (optionally windowed) DCMHA, differentiable. query [B, N, T, Dh], key/value [B, N, S, Dh]; the
-    factors time-last and contiguous fp32, as `cpu_kernel.compose_softmax_compose` takes them: qt
+    factors time-last and contiguous fp32 (`DCMHAInputs.time_last_terms`): qt
     [B, G, 2, 2I+1, M, T], kt [B, G, 2, 2I+1, M, S] or None; key_padding_mask [B, S] uint8 (1: a real token) or
     None; absolute token indices of the first query and key. Returns [B, T, N, Dh]."""
     problem = unsupported(query.device, rank)
@@ -527,3 +528,28 @@ def dcmha_triton(
         return query.new_zeros(B, T, N, Dh)
     args = (query, key, value, qt, kt, key_padding_mask, query_start, key_start, window_size, rank, num_groups)
     return _DCMHAFunction.apply(*args)
+
+
+class TritonBackend(DCMHABackend):
+    """"triton": the whole call at once (no chunks, no [heads, queries, keys] tensor), forward and backward."""
+
+    name = "triton"
+
+    def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
+        if not inputs.composed:
+            return "no composition (use_dcmha=False)"
+        if output_attentions:
+            return "it does not return the attention probabilities (output_attentions=True)"
+        return unsupported(inputs.query.device, inputs.rank)
+
+    def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
+        qt, kt = (None if t is None else t.float() for t in inputs.time_last_terms())
+        pad = None if inputs.key_padding_mask is None else inputs.key_padding_mask.to(torch.uint8).contiguous()
+        out = dcmha_triton(
+            inputs.query, inputs.key, inputs.value, qt, kt, pad, inputs.query_start, inputs.key_start,
+            inputs.window_size, inputs.rank, inputs.num_groups,
+        )  # fmt: skip
+        return out, None
+
+
+TRITON = TritonBackend()

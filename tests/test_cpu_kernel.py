@@ -1,27 +1,28 @@
-"""The "kernel" DCMHA implementation (`modeling_dcformer/cpu_kernel.py`, C built on first use) against the oracle.
+"""What is specific to the "kernel" DCMHA backend (`modeling_dcformer/cpu_kernel.py` and `csrc/dcmha_cpu.cpp`, the
+operator `torch.ops.dcformer.compose_softmax_compose_`); the checks shared by every backend (models against the
+oracle, decoding, half precision, probabilities) are in test_dcmha_backends.py.
 
-- one chunk of the C function against Compose -> mask -> softmax -> Compose written from the spec in float64
+- one chunk of the operator against Compose -> mask -> softmax -> Compose written from the spec in float64
   (`oracle_compose`): ranks 1..5, groups, key-wise or query-wise, windows, padding (rows that see no key), key
   offsets, rows that are not a multiple of the vector width, several blocks and tiles, several threads;
-- whole models: logits against the oracle (padding, windows), a cached decode against the full forward;
 - where it applies: "auto" uses it only where nothing needs gradients; "kernel" elsewhere is a clear error;
-- building: into $DCFORMER_CACHE, and what a machine without a working compiler gets.
+- the operator under torch.compile (its fake implementation) and its own argument checks;
+- building: verified cached builds (a corrupt one is rebuilt), what a machine without a compiler gets.
 """
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-import modeling_dcformer.modeling_dcformer as mdl
-from modeling_dcformer import cpu_kernel
+from helpers import VOCAB, assert_close, build_model, make_config
+from modeling_dcformer import cpu_kernel, dcmha
+from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHAInputs
 from oracle import oracle_compose
-from test_fast_dcmha import (
-    assert_auto_does_without,
-    assert_decoding_matches_full_forward,
-    assert_rows_match_oracle,
-    padded_batch,
-)
-from test_oracle import VOCAB, assert_close, build_model, make_config
-
 
 pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_built():
     if not cpu_kernel.available():
-        pytest.skip("no C compiler: the CPU kernel cannot be built here")
+        pytest.skip(f"the CPU kernel cannot be built here: {cpu_kernel.KERNEL.failure}")
 
 
 def oracle_chunk(raw, qt, kt, allowed, scale, rank):
@@ -102,88 +103,65 @@ def test_kernel_chunk_matches_oracle(case, rows, monkeypatch):
     assert (plain - ref).abs().max() > 1e-2
 
 
-def test_kernel_threads_give_the_same_numbers(monkeypatch):
-    """Tiles spread over OpenMP threads: each tile is computed alone, so the numbers do not depend on them."""
-    monkeypatch.setattr(cpu_kernel, "PARALLEL_MIN_SCORES", 0)  # this small chunk too
-    assert cpu_kernel.threads_for(1) == torch.get_num_threads()
-    B, G, M, I, c, s = 2, 2, 4, 2, 32, 200
-    gen = torch.Generator().manual_seed(5)
+def chunk_inputs(B=2, G=2, M=4, I=2, c=32, s=200, seed=5):
+    gen = torch.Generator().manual_seed(seed)
     raw = torch.randn(B, G * M, c, s, generator=gen)
     qt = torch.randn(B, G, 2, 2 * I + 1, M, c, generator=gen) * 0.5
     kt = torch.randn(B, G, 2, 2 * I + 1, M, s, generator=gen) * 0.5
+    return raw, qt, kt, I, G
+
+
+def test_kernel_threads_give_the_same_numbers(monkeypatch):
+    """Tiles spread over PyTorch's intra-op threads: each tile is computed alone, so the numbers do not depend on
+    them."""
+    monkeypatch.setattr(cpu_kernel, "PARALLEL_MIN_SCORES", 0)  # this small chunk too
+    monkeypatch.setattr(cpu_kernel, "_parallel_pid", None)
+    raw, qt, kt, I, G = chunk_inputs()
+    c, s = raw.shape[2:]
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        assert cpu_kernel.threads_for(raw.numel()) == threads
+        assert cpu_kernel.runs_parallel(raw.numel()) == (threads > 1)
         scores = raw.clone()
         cpu_kernel.compose_softmax_compose(scores, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
         results.append(scores)
     assert torch.equal(results[0], results[1])
 
 
-def test_no_openmp_threads_in_a_forked_child(monkeypatch):
-    """After the kernel ran in parallel in one process, a forked child gets 1 thread (its parent's OpenMP threads
-    do not exist there)."""
+def test_a_forked_child_runs_the_kernel_on_its_own_thread(monkeypatch):
+    """After the kernel ran in parallel, a forked child (whose parent's OpenMP threads do not exist there) runs it
+    on the calling thread, and finishes."""
+    monkeypatch.setattr(cpu_kernel, "PARALLEL_MIN_SCORES", 0)
     monkeypatch.setattr(cpu_kernel, "_parallel_pid", None)
     torch.set_num_threads(2)
-    big = cpu_kernel.PARALLEL_MIN_SCORES
-    assert cpu_kernel.threads_for(big) == 2 and cpu_kernel._parallel_pid is not None
-    assert cpu_kernel.threads_for(big - 1) == 1
-    monkeypatch.setattr(cpu_kernel, "_parallel_pid", -1)  # as seen from a child: started by another process
-    assert cpu_kernel.threads_for(big) == 1
-
-
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(query_wise=False, num_head_groups=1, dynamic_rank=2, attention_chunk_size=4),
-        dict(query_wise=True, num_head_groups=2, dynamic_rank=1, attention_chunk_size=512),
-        dict(query_wise=False, num_head_groups=2, dynamic_rank=3, attention_chunk_size=5),
-    ],
-    ids=["chunk4", "querywise-groups2", "rank3-chunk5"],
-)
-def test_kernel_model_matches_eager_and_oracle(options):
-    config = make_config(use_qk_norm=True, window_size=4, dcmha_implementation="eager", **options)
-    model = build_model(config).eval()
-    input_ids, mask = padded_batch()
-    with torch.no_grad():
-        eager = model(input_ids, attention_mask=mask, use_cache=False).logits
-        model.config.dcmha_implementation = "kernel"
-        logits = model(input_ids, attention_mask=mask, use_cache=False).logits
-    real = mask.bool()
-    assert_close(logits[real], eager[real])
-    assert_rows_match_oracle(model, logits, input_ids, mask)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_kernel_in_half_precision_matches_eager(dtype):
-    """bf16 / fp16 models: the products in that dtype, the scores in fp32, as in the eager implementation."""
-    config = make_config(use_qk_norm=True, window_size=4, attention_chunk_size=5, dcmha_implementation="eager")
-    model = build_model(config).to(dtype)
-    input_ids, mask = padded_batch()
-    with torch.no_grad():
-        eager = model(input_ids, attention_mask=mask).logits
-        model.config.dcmha_implementation = "kernel"
-        logits = model(input_ids, attention_mask=mask).logits
-    assert logits.dtype == dtype
-    real = mask.bool()
-    scale = eager[real].float().abs().max().item()
-    torch.testing.assert_close(logits[real].float(), eager[real].float(), rtol=2e-2, atol=2e-2 * scale)
-
-
-def test_kernel_decodes_like_full_forward():
-    config = make_config(use_qk_norm=True, window_size=4, attention_chunk_size=3, dcmha_implementation="kernel")
-    assert_decoding_matches_full_forward(build_model(config))
+    raw, qt, kt, I, G = chunk_inputs()
+    c, s = raw.shape[2:]
+    scores, again = raw.clone(), raw.clone()
+    cpu_kernel.compose_softmax_compose(scores, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
+    assert cpu_kernel._parallel_pid == os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: no new tensor (PyTorch's own parallel copies would hang here), only the kernel
+        signal.alarm(30)
+        try:
+            assert not cpu_kernel.runs_parallel(raw.numel())
+            cpu_kernel.compose_softmax_compose(again, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
+            same = again.view(-1)[:2000].tolist() == scores.view(-1)[:2000].tolist()  # serial, unlike torch.equal
+            os._exit(0 if same else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
 
 
 def test_auto_uses_the_kernel_only_without_gradients(monkeypatch):
     calls = []
+    real = cpu_kernel.compose_softmax_compose
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
-        return cpu_kernel.compose_softmax_compose(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(mdl, "compose_softmax_compose", counted)
+    monkeypatch.setattr(cpu_kernel, "compose_softmax_compose", counted)
     model = build_model(make_config(num_hidden_layers=2, dcmha_implementation="auto"))
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -197,16 +175,21 @@ def test_auto_uses_the_kernel_only_without_gradients(monkeypatch):
     assert model.lm_head.weight.grad is not None
 
 
+def probe(requires_grad=False, device="cpu", rank=2):
+    q = torch.zeros(1, 4, 5, 8, device=device, requires_grad=requires_grad)
+    terms = torch.zeros(1, 5, 1, 2, 2 * rank + 1, 4, device=device)
+    return DCMHAInputs(q, q, q, terms, terms, 0, 0, None, None, rank, 1, 4)
+
+
 def test_kernel_is_a_clear_error_where_it_cannot_run():
     model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="kernel")).train()
     ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="computes no gradients"):
         model(ids)
-    query, terms = torch.zeros(1, 4, 5, 8, device="meta"), torch.zeros(1, 5, 1, 2, 5, 4, device="meta")
-    assert "runs on CPU" in mdl.kernel_unsupported(query, (query, terms), terms, 2)
-    query, terms = torch.zeros(query.shape), torch.zeros(terms.shape)
-    assert "rank" in mdl.kernel_unsupported(query, (query, terms), terms, cpu_kernel.MAX_RANK + 1)
-    assert mdl.kernel_unsupported(query, (query, terms), terms, 2) is None
+    kernel = DCMHA_BACKENDS["kernel"]
+    assert "runs on CPU" in kernel.why_not(probe(device="meta"))
+    assert "rank" in kernel.why_not(probe(rank=cpu_kernel.MAX_RANK + 1))
+    assert kernel.why_not(probe()) is None
     with pytest.raises(ValueError, match="contiguous float32"):
         cpu_kernel.compose_softmax_compose(
             torch.zeros(1, 2, 3, 4, dtype=torch.float64), torch.zeros(1, 1, 2, 5, 2, 3), 0, None, 0, None, 0, 0,
@@ -229,57 +212,21 @@ def test_auto_keeps_the_gradient_of_any_input():
     grads = {}
     for implementation in ("auto", "eager"):
         value = v.clone().requires_grad_()
-        out, _ = mdl.dcmha_attention(q, k, value, qt, kt, 0, 0, None, None, I, G, 4, implementation=implementation)
+        out, _ = dcmha.dcmha_attention(DCMHAInputs(q, k, value, qt, kt, 0, 0, None, None, I, G, 4), implementation)
         out.sum().backward()
         grads[implementation] = value.grad
     assert_close(grads["auto"], grads["eager"])
     value = v.clone().requires_grad_()
     with pytest.raises(ValueError, match="computes no gradients"):
-        mdl.dcmha_attention(q, k, value, qt, kt, 0, 0, None, None, I, G, 4, implementation="kernel")
-
-
-@pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """The kernel module as in a new process, building into tmp_path; the model's "auto" state reset too."""
-    monkeypatch.setenv("DCFORMER_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "_library", None)
-    monkeypatch.setattr(cpu_kernel, "_build_error", None)
-    monkeypatch.setattr(mdl, "_kernel_failed", False)
-    return tmp_path
-
-
-def test_kernel_builds_once_into_the_cache_directory(fresh_build):
-    library = cpu_kernel.load()
-    built = list(fresh_build.iterdir())
-    assert len(built) == 1 and built[0].name.startswith("dcmha_kernel_") and built[0].suffix == ".so"
-    assert cpu_kernel.load() is library
-    cpu_kernel._library = None  # a new process finds the built library and does not rebuild
-    mtime = built[0].stat().st_mtime_ns
-    cpu_kernel.load()
-    assert built[0].stat().st_mtime_ns == mtime and list(fresh_build.iterdir()) == built
-
-
-def test_without_a_compiler_auto_does_without_and_kernel_says_why(fresh_build, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_kernel, "compiler", lambda: None)
-    assert_auto_does_without("kernel", "_kernel_failed", "no C compiler", length=7)
-    assert list(fresh_build.iterdir()) == []
-
-
-def test_a_failed_build_leaves_no_library(fresh_build, monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "SOURCE", cpu_kernel.SOURCE + "\nthis is not C;\n")
-    with pytest.raises(RuntimeError, match="building the DCMHA CPU kernel"):
-        cpu_kernel.load()
-    assert [p for p in fresh_build.rglob("*") if p.is_file()] == []
-    with pytest.raises(RuntimeError, match="building the DCMHA CPU kernel"):  # remembered: no second build
-        cpu_kernel.load()
+        dcmha.dcmha_attention(DCMHAInputs(q, k, value, qt, kt, 0, 0, None, None, I, G, 4), "kernel")
 
 
 def test_kernel_refuses_bounds_it_would_read_past():
-    """The C function trusts its offsets: the wrapper checks them (a mistake is an error, not a stray read)."""
+    """The C++ loops trust their offsets: the operator checks them (a mistake is an error, not a stray read)."""
     B, G, M, I, c, s = 1, 1, 2, 1, 3, 5
     scores = torch.zeros(B, G * M, c, s)
     qt, kt = torch.zeros(B, G, 2, 2 * I + 1, M, 4), torch.zeros(B, G, 2, 2 * I + 1, M, 6)
-    run = lambda *a: cpu_kernel.compose_softmax_compose(scores, *a, 0, 0, None, 1.0, I, G)
+    run = lambda *a: cpu_kernel.compose_softmax_compose(scores, *a, 0, 0, None, 1.0, I, G)  # noqa: E731
     with pytest.raises(ValueError, match="queries"):
         run(qt, 2, kt, 0, None)
     with pytest.raises(ValueError, match="keys"):
@@ -287,3 +234,84 @@ def test_kernel_refuses_bounds_it_would_read_past():
     with pytest.raises(ValueError, match="key_padding_mask"):
         run(qt, 0, kt, 0, torch.ones(B, 4, dtype=torch.bool))
     run(qt, 1, kt, 1, torch.ones(B, 6, dtype=torch.bool))  # the last valid offsets
+
+
+def test_the_operator_traces_under_torch_compile():
+    """A real PyTorch operator with a fake implementation: torch.compile (fullgraph) traces it, same numbers."""
+    raw, qt, kt, I, G = chunk_inputs(c=8, s=20)
+    c, s = raw.shape[2:]
+
+    def step(scores):
+        scores = scores.clone()
+        torch.ops.dcformer.compose_softmax_compose_(scores, qt, 0, kt, 0, None, s - c, 0, 0, 0.125, I, G, 4, False)
+        return scores * 2
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(raw), step(raw))
+    finally:
+        torch._dynamo.reset()
+
+
+def test_without_a_compiler_auto_does_without_and_kernel_says_why(monkeypatch, tmp_path):
+    """A machine without a C++ compiler: "auto" gives eager's numbers, "kernel" says why; the failure is kept on the
+    backend object."""
+    monkeypatch.setenv("DCFORMER_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "compiler", lambda: None)
+    lazy = DCMHA_BACKENDS["kernel"]
+    monkeypatch.setattr(lazy, "_backend", cpu_kernel.CPUKernelBackend())
+    model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="eager"))
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.config.dcmha_implementation = "auto"
+        assert_close(model(ids).logits, expected)
+        assert "no C++ compiler" in lazy.backend.failure
+        model.config.dcmha_implementation = "kernel"
+        with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+            model(ids)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_build_leaves_no_library(monkeypatch, tmp_path):
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++;\n")
+    monkeypatch.setenv("DCFORMER_CACHE", str(tmp_path / "cache"))
+    backend = cpu_kernel.CPUKernelBackend(source)
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        backend.load()
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
+    with pytest.raises(RuntimeError, match="cannot be built"):  # remembered: no second build
+        backend.load()
+
+
+@pytest.mark.slow
+def test_a_corrupt_cached_build_is_rebuilt_not_loaded(tmp_path):
+    """A cached library that does not match its stamp (a crash mid-write, a corrupt disk) is rebuilt with a warning,
+    never loaded (loading it crashed the process with a bus error); the rebuilt one then loads without a build."""
+    import shutil
+
+    folder = cpu_kernel.KERNEL.build_dir(cpu_kernel.compiler())
+    shutil.copytree(folder, tmp_path / folder.name)
+    library = tmp_path / folder.name / f"{folder.name}.so"
+    library.write_bytes(library.read_bytes()[:4096])  # truncated
+    script = textwrap.dedent(
+        """
+        import torch
+        from modeling_dcformer import cpu_kernel
+        cpu_kernel.KERNEL.load()
+        scores = torch.randn(1, 4, 3, 5)
+        cpu_kernel.compose_softmax_compose(scores, torch.zeros(1, 1, 2, 5, 4, 3), 0, None, 0, None, 2, 0, None, 1.0, 2, 1)
+        print("ok", bool(torch.isfinite(scores).all()))
+        """
+    )
+    env = dict(os.environ, DCFORMER_CACHE=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "ok True" in run.stdout
+    assert "incomplete or corrupt: rebuilding" in run.stderr
+    stamp = (tmp_path / folder.name / cpu_kernel.STAMP).read_text().strip()
+    assert stamp == cpu_kernel.file_sha256(library)
+    again = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "rebuilding" not in again.stderr

@@ -26,8 +26,8 @@ from conversion import pythia_to_dcpythia as p2d
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub
 from released_checkpoint import released_dir
 
-CODE_FILES = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "hub.py", "cpu_kernel.py",
-              "triton_kernel.py"}
+CODE_FILES = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "hub.py", "dcmha.py",
+              "dcmha_eager.py", "dcmha_compiled.py", "cache_dcformer.py"}  # no kernel: they stay in the package
 LM_EVAL_RESULTS = {  # the shape of what lm-eval / evals/harness.py write (abridged)
     "results": {
         "piqa_local": {"alias": "piqa_local", "acc,none": 0.625, "acc_stderr,none": 0.125, "acc_norm,none": 0.5,
@@ -155,6 +155,14 @@ def isolated(saved):
     return root, json.loads((root / "report.json").read_text())
 
 
+def test_saved_remote_code_carries_the_interface_but_no_kernel(saved):
+    """The remote code is the model, its interface and the pure-PyTorch backends; the kernels stay in the package."""
+    for directory in saved.values():
+        names = {p.name for p in directory.iterdir()}
+        assert {"modeling_dcformer.py", "dcmha.py", "dcmha_eager.py", "dcmha_compiled.py", "cache_dcformer.py"} <= names
+        assert not names & {"cpu_kernel.py", "triton_kernel.py", "csrc", "dcmha_cpu.cpp"}, names
+
+
 def test_isolated_python_cannot_import_the_package(isolated):
     _, report = isolated
     assert report["importable"] is False and report["spec"] == "None", report
@@ -168,6 +176,9 @@ def test_remote_code_gives_the_native_logits_exactly(isolated, saved, name):
     native = load_native(saved[name])
     assert type(native) is DCFormerForCausalLM  # no trust_remote_code: the installed package, not the copies
     ids = torch.load(root / f"{name}.ids.pt")
+    # the remote code carries no kernel: its "auto" runs "eager" at this size, and so does the native model here
+    # (the native "auto" takes the CPU kernel, equal to rounding: test_dcmha_backends.py)
+    native.config.dcmha_implementation = "eager"
     expected = logits_of(native, ids)
     assert torch.equal(torch.load(root / f"{name}.remote.pt"), expected)
     greedy = native.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)

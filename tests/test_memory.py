@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
-from modeling_dcformer import modeling_dcformer as mdc
+from modeling_dcformer import dcmha_eager
 
 
 def make_model(**overrides):
@@ -73,14 +73,16 @@ def test_local_layer_never_builds_a_full_sequence_tensor(window, monkeypatch):
     """On a local layer every chunk sees at most chunk + window - 1 keys: no [T, S] mask or score tensor."""
     T, chunk = 96, 16
     widths = []
-    real = mdc.attend_chunk
+    real = dcmha_eager.attend_chunk
 
-    def spy(q, k, v, qt, kt, allowed, rank, groups, **kwargs):
-        widths.append((k.shape[2], k.shape[2] if allowed is None else allowed.shape[-1]))
-        return real(q, k, v, qt, kt, allowed, rank, groups, **kwargs)
+    def spy(q, k, v, qt, kt, q_pos, k_pos, *args):
+        widths.append((k.shape[2], k_pos.shape[0]))  # the keys and the mask's width (computed from k_pos)
+        return real(q, k, v, qt, kt, q_pos, k_pos, *args)
 
-    monkeypatch.setattr(mdc, "attend_chunk", spy)
-    model = make_model(window_size=window, window_type="L", attention_chunk_size=chunk).eval()
+    monkeypatch.setattr(dcmha_eager, "attend_chunk", spy)
+    model = make_model(
+        window_size=window, window_type="L", attention_chunk_size=chunk, dcmha_implementation="eager"
+    ).eval()
     with torch.no_grad():
         model(torch.randint(0, 64, (1, T)))
     assert len(widths) == T // chunk
@@ -92,14 +94,17 @@ def test_local_layer_chunks_stay_near_the_window_band(monkeypatch):
     scores it computes stay within 1.5x of the window band (512-query chunks against a 200-key window: 3.5x)."""
     T, window = 300, 200
     shapes = []
-    real = mdc.attend_chunk
+    real = dcmha_eager.attend_chunk
 
-    def spy(q, k, *args, **kwargs):
+    def spy(q, k, *args):
         shapes.append((q.shape[2], k.shape[2]))
-        return real(q, k, *args, **kwargs)
+        return real(q, k, *args)
 
-    monkeypatch.setattr(mdc, "attend_chunk", spy)
-    model = make_model(window_size=window, window_type="LG", num_hidden_layers=2, attention_chunk_size=512).eval()
+    monkeypatch.setattr(dcmha_eager, "attend_chunk", spy)
+    model = make_model(
+        window_size=window, window_type="LG", num_hidden_layers=2, attention_chunk_size=512,
+        dcmha_implementation="eager",
+    ).eval()
     with torch.no_grad():
         model(torch.randint(0, 64, (1, T)))
     local, global_ = shapes[:3], shapes[3:]

@@ -27,110 +27,27 @@ from oracle import (
     oracle_visible,
 )
 
-ATOL = 1e-5
-RTOL = 1e-5
-MARGIN = 0.05  # a variant of the computation must move the output by more than this to count as "detected"
-VOCAB, T_SEQ, BATCH, WINDOW = 64, 11, 2, 4
+from helpers import (  # noqa: E402
+    ATOL,
+    MARGIN,
+    RTOL,
+    T_SEQ,
+    VOCAB,
+    WINDOW,
+    BATCH,
+    as_double,
+    assert_close,
+    build_model,
+    call_attention,
+    capture_attention_io,
+    layer_window,
+    make_config,
+    max_diff,
+    randomize_,
+    zero_dyn,
+)
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------------------------
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
-
-
-def make_config(**overrides) -> DCFormerConfig:
-    kwargs = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=64,
-        partial_rotary_factor=0.5,  # 4 rotary dims of 8: tells "rotate half" from interleaved pairs
-        rope_theta=1000.0,
-    )
-    kwargs.update(overrides)
-    return DCFormerConfig(**kwargs)
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0, qkw_scale: float = 0.5) -> None:
-    """Every parameter re-drawn so that each term of the computation is O(1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith("dyn_w_proj.dw1"):  # [D, G, C, K]: pre-activations ~ N(0, 1)
-                p.copy_(r / math.sqrt(p.shape[0]))
-            elif name.endswith("dyn_w_proj.qkw"):  # [G, C, K, 2I, M]: w2 entries ~ 0.3
-                p.copy_(qkw_scale * r / math.sqrt(p.shape[2]))
-            elif name.endswith("dyn_w_proj.dd"):  # [D, G, C*M]: tanh arguments ~ N(0, 1)
-                p.copy_(r / math.sqrt(p.shape[0]))
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * r)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * r)
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(r)
-            else:  # Linear [out, in]
-                p.copy_(r / math.sqrt(p.shape[1]))
-
-
-def build_model(config: DCFormerConfig, seed: int = 0) -> DCFormerForCausalLM:
-    torch.manual_seed(seed)
-    model = DCFormerForCausalLM(config).eval()
-    randomize_(model, seed)
-    return model
-
-
-def as_double(state: dict) -> dict:
-    return {k: v.detach().double() for k, v in state.items()}
-
-
-def zero_dyn(params: dict) -> dict:
-    return {k: torch.zeros_like(v) if "dyn_w_proj" in k else v for k, v in params.items()}
-
-
-def capture_attention_io(model: DCFormerForCausalLM, input_ids: torch.Tensor):
-    """Runs the model and returns, per layer, (attention input, attention output) as seen in the real forward."""
-    io = {}
-    handles = []
-    for idx, layer in enumerate(model.model.layers):
-
-        def hook(module, args, kwargs, output, idx=idx):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            io[idx] = (hidden.detach().clone(), output[0].detach().clone())
-
-        handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            logits = model(input_ids, use_cache=False).logits
-    finally:
-        for h in handles:
-            h.remove()
-    return logits, io
-
-
-def call_attention(model, layer_idx: int, x: torch.Tensor):
-    """Calls one attention module directly on x [B, T, D] (token positions 0..T-1)."""
-    B, T, _ = x.shape
-    position_embeddings = model.model.rotary_emb(x, torch.arange(T).unsqueeze(0).expand(B, T))
-    out, _ = model.model.layers[layer_idx].self_attn(
-        x, position_embeddings=position_embeddings, query_start=0
-    )
-    return out
-
-
-def assert_close(actual, expected, atol=ATOL, rtol=RTOL):
-    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
-
-
-def max_diff(a, b) -> float:
-    return (a.double() - b.double()).abs().max().item()
-
-
-def layer_window(config, layer_idx):
-    local = oracle_local_layers(config.window_size, config.window_type, config.num_hidden_layers)
-    return config.window_size if local[layer_idx] else None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -611,7 +611,7 @@ def test_two_process_fsdp2_gloo(tmp_path):
 def test_accelerate_configs_and_model_attributes():
     import yaml
 
-    from modeling_dcformer import modeling_dcformer as mdc
+    from modeling_dcformer import modeling_dcformer as mdc  # noqa: F401
 
     # What FSDP / DeepSpeed / device_map read from the model class.
     assert DCFormerForCausalLM._no_split_modules == ["DCFormerDecoderLayer"]

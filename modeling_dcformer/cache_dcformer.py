@@ -1,0 +1,201 @@
+"""The DCFormer cache: keys, values and each key's composition factors, per layer.
+
+`DCFormerCache` holds one `DCFormerCacheLayer` per layer (growing; a local layer keeps only its window) or, with
+`max_cache_len`, one `DCFormerStaticCacheLayer` per layer (buffers written in place:
+`generate(..., cache_implementation="static")`). The attention fills it through `DCFormerCache.update_dcmha`.
+"""
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from .configuration_dcformer import DCFormerConfig
+
+
+class DCFormerLayerLength:
+    """What both DCFormer cache layers share: they count the tokens seen, and fill through `update_dcmha`."""
+
+    cumulative_length: int
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("DCFormer layers update their cache through DCFormerCache.update_dcmha")
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+
+class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
+    """One layer's cache: keys and values [B, N, S, Dh] and each key's composition factors
+    [B, S, G, Ck, 2I+1, M] (w1, w2 and the diagonal of the pre- and post-key slots: 10 N numbers a key with
+    I = 2, never N x N matrices). A local layer keeps only the last `window_size - 1` keys between steps."""
+
+    def __init__(self, window_size: int | None = None):
+        super().__init__()
+        self.window_size = window_size
+        self.is_sliding = window_size is not None
+        self.is_croppable = window_size is None
+        self.key_terms: torch.Tensor | None = None
+        self.cumulative_length = 0
+
+    def update_dcmha(self, key, value, key_terms):
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+            # copies where they are views (the values of the fused q/k/v projection, two of the four factor
+            # slots): a view would keep its whole base tensor alive for as long as the cache
+            self.keys, self.values = key.contiguous(), value.contiguous()
+            self.key_terms = None if key_terms is None else key_terms.contiguous()
+        else:
+            self.keys = torch.cat([self.keys, key], dim=-2)
+            self.values = torch.cat([self.values, value], dim=-2)
+            if key_terms is not None:
+                self.key_terms = torch.cat([self.key_terms, key_terms], dim=1)
+        self.cumulative_length += key.shape[-2]
+        full = (self.keys, self.values, self.key_terms)
+        if self.window_size is not None and self.keys.shape[-2] > self.window_size - 1:
+            keep = self.window_size - 1
+            self.keys = self.keys[..., self.keys.shape[-2] - keep :, :]
+            self.values = self.values[..., self.values.shape[-2] - keep :, :]
+            if self.key_terms is not None:
+                self.key_terms = self.key_terms[:, self.key_terms.shape[1] - keep :]
+        return full
+
+    def reset(self) -> None:
+        super().reset()
+        self.key_terms = None
+        self.cumulative_length = 0
+
+    def get_max_length(self) -> int:
+        return -1 if self.window_size is None else self.window_size - 1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        if self.window_size is not None:
+            raise ValueError("A local (sliding-window) DCFormer cache layer cannot be cropped: dropped keys are gone")
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0 and self.is_initialized:
+            if self.key_terms is not None:
+                self.key_terms = self.key_terms[:, :tokens_to_remove]
+            self.cumulative_length = self.keys.shape[-2]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.key_terms is not None and self.get_seq_length() > 0:
+            self.key_terms = self.key_terms.index_select(0, beam_idx.to(self.key_terms.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.key_terms is not None and self.get_seq_length() > 0:
+            self.key_terms = self.key_terms.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.key_terms is not None and self.get_seq_length() > 0:
+            self.key_terms = self.key_terms[indices, ...]
+
+
+class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
+    """One layer's cache in buffers of `max_cache_len` tokens allocated at the first step: each step writes its
+    keys, values and key composition factors in place (no copy of what is already cached, unlike the growing
+    `DCFormerCacheLayer`) and attends to views of the filled part (on a local layer, its window)."""
+
+    is_compileable = False  # the views grow with the cache: the attention's shapes are not static
+    is_sliding = False
+
+    def __init__(self, max_cache_len: int, window_size: int | None = None):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.window_size = window_size
+        self.key_terms: torch.Tensor | None = None
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states, value_states, key_terms=None) -> None:
+        B, N, _, Dh = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros(B, N, self.max_cache_len, Dh)
+        self.values = value_states.new_zeros(B, N, self.max_cache_len, Dh)
+        if key_terms is not None:
+            self.key_terms = key_terms.new_zeros(B, self.max_cache_len, *key_terms.shape[2:])
+        self.is_initialized = True
+
+    def update_dcmha(self, key, value, key_terms):
+        if not self.is_initialized:
+            self.lazy_initialization(key, value, key_terms)
+        start, end = self.cumulative_length, self.cumulative_length + key.shape[-2]
+        if end > self.max_cache_len:
+            raise ValueError(
+                f"the static DCFormer cache holds max_cache_len={self.max_cache_len} tokens; this step would need "
+                f"{end}: make it longer (generate's max_cache_len, or max_new_tokens)"
+            )
+        self.keys[:, :, start:end] = key
+        self.values[:, :, start:end] = value
+        if key_terms is not None:
+            self.key_terms[:, start:end] = key_terms
+        self.cumulative_length = end
+        first = 0 if self.window_size is None else max(0, start - self.window_size + 1)  # what the step can see
+        terms = None if self.key_terms is None else self.key_terms[:, first:end]
+        return self.keys[:, :, first:end], self.values[:, :, first:end], terms
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.cumulative_length = 0  # the buffers stay: the next sequence overwrites them
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Keep the first `tokens_to_remove` tokens (or drop the last -`tokens_to_remove` when negative), as
+        `DynamicLayer.crop` does."""
+        if tokens_to_remove < 0:
+            self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
+        elif tokens_to_remove < self.cumulative_length:
+            self.cumulative_length = tokens_to_remove
+
+    def _select(self, fn) -> None:
+        if self.is_initialized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+            if self.key_terms is not None:
+                self.key_terms = fn(self.key_terms)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda t: t[indices, ...])
+
+
+class DCFormerCache(Cache):
+    """Cache of a DCFormer model: one `DCFormerCacheLayer` per layer (growing; local layers keep only their window),
+    or with `max_cache_len` one `DCFormerStaticCacheLayer` per layer (buffers of that many tokens, written in place:
+    `generate(..., cache_implementation="static")`)."""
+
+    def __init__(self, config: DCFormerConfig, max_cache_len: int | None = None):
+        windows = [config.window_size if kind == "sliding_attention" else None for kind in config.layer_types]
+        if max_cache_len is None:
+            layers = [DCFormerCacheLayer(window) for window in windows]
+        else:
+            if not isinstance(max_cache_len, int) or max_cache_len < 1:
+                raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+            layers = [DCFormerStaticCacheLayer(max_cache_len, window) for window in windows]
+        super().__init__(layers=layers)
+
+    def update_dcmha(self, key, value, key_terms, layer_idx: int, window_size: int | None):
+        """Append this step's keys, values and key composition terms; returns what the step attends to:
+        (keys, values, key_terms, key_start) with key_start the absolute token index of the first key."""
+        layer = self.layers[layer_idx]
+        keys, values, terms = layer.update_dcmha(key, value, key_terms)
+        total = layer.cumulative_length
+        return keys, values, terms, total - keys.shape[-2]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if self.layers else 0
+
+
+__all__ = ["DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer"]

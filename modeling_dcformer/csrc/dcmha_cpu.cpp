@@ -1,0 +1,282 @@
+
+// DCMHA between the two matrix products, on CPU: Compose, mask, softmax, Compose in place on a chunk's raw q.k
+// scores (the "kernel" implementation of modeling_dcformer; see cpu_kernel.py). Registered as the PyTorch operator
+// dcformer::compose_softmax_compose_ (in place on `scores`), whose tiles run on PyTorch's intra-op thread pool.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#define BLOCK 128      /* keys per block: the rows of a tile share the block's key factors, copied to L1 */
+#define MAX_RANK 8
+
+/* exp(x) for x <= 0 (Cephes' expf polynomial, within 2 ulp), 0 below -87.3; written so that loops vectorise */
+static inline float exp_nonpos(float x) {
+    float xc = x < -87.3f ? -87.3f : x;
+    float fx = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    union { int32_t i; float f; } u;
+    u.i = ((int32_t)fx + 127) << 23;
+    return x < -87.3f ? 0.0f : y * u.f;
+}
+
+typedef float vf __attribute__((vector_size(64)));   /* 16 floats: AVX-512, or split in two AVX registers */
+typedef int32_t vi __attribute__((vector_size(64)));
+#define VW 16
+
+static inline vf load(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* One Compose (spec, step 6) of 16 keys j..j+15 of one query row, in place: the M heads' values a[n][j]
+   (a: [M][BLOCK]) become, with A[n] = a[n][j] * sc[n] (the scale, or the softmax's 1 / sum of head n),
+       out[m] = A[m] (1 + qdd[m]) + sum_i hq_i qw2[i][m] + A[m] kdd[m][j] + sum_i hk_i[j] kw2[i][m][j]
+   where hq_i = sum_n A[n] qw1[i][n] and hk_i[j] = sum_n A[n] kw1[i][n][j]. q: the row's query factors
+   [2I+1][M]; k: the block's key factors [2I+1][M][BLOCK], or NULL (query-wise).
+   Keys outside [lo, hi) or padding (pad[j] == 0, where pad) are set to `fill`. The hidden values stay in
+   registers: each score is read twice and written once. Inlined with I constant (the loops over i unroll). */
+static inline __attribute__((always_inline)) void compose16(
+        float *a, int j, int M, const int I, const float *q, const float *k, const float *sc, const int masked,
+        int lo, int hi, const uint8_t *pad, float fill, float *mx) {
+    vf hq[MAX_RANK], hk[MAX_RANK];
+    for (int i = 0; i < I; i++) hq[i] = hk[i] = vf{};
+    for (int n = 0; n < M; n++) {
+        const vf x = load(a + n * BLOCK + j) * sc[n];
+        for (int i = 0; i < I; i++) {
+            hq[i] += x * q[i * M + n];
+            if (k) hk[i] += x * load(k + (i * M + n) * BLOCK + j);
+        }
+    }
+    vi keep = {0};
+    if (masked) {
+        const vi idx = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + j;
+        keep = (idx >= lo) & (idx < hi);
+        if (pad) {
+            vi p;
+            for (int l = 0; l < VW; l++) p[l] = pad[j + l];
+            keep &= p != 0;
+        }
+    }
+    const vi fillv = (vi)(vf{} + fill);
+    for (int m = 0; m < M; m++) {
+        const vf x = load(a + m * BLOCK + j) * sc[m];
+        vf out = x * (1.0f + q[2 * I * M + m]);
+        for (int i = 0; i < I; i++) out += hq[i] * q[(I + i) * M + m];
+        if (k) {
+            out += x * load(k + (2 * I * M + m) * BLOCK + j);
+            for (int i = 0; i < I; i++) out += hk[i] * load(k + ((I + i) * M + m) * BLOCK + j);
+        }
+        if (masked) out = (vf)(((vi)out & keep) | (fillv & ~keep));
+        if (mx) {
+            const vf top = load(mx + m * VW);
+            const vi up = out > top;
+            store(mx + m * VW, (vf)(((vi)out & up) | ((vi)top & ~up)));
+        }
+        store(a + m * BLOCK + j, out);
+    }
+}
+
+/* compose16 over the keys [0, L) of a block (L a multiple of 16); the loop is compiled apart for each rank up to
+   4, with and without key-wise factors, with and without masked keys. mx: each head's running maximum (16 lanes)
+   or NULL: [M][16]. */
+static void compose_block(float *a, int L, int M, int I, const float *q, const float *k, const float *sc, int lo,
+                          int hi, const uint8_t *pad, float fill, float *mx) {
+    const int masked = lo > 0 || hi < L || pad;
+#define COMPOSE_LOOP(RANK, K, MASKED) \
+    for (int j = 0; j < L; j += VW) compose16(a, j, M, RANK, q, K, sc, MASKED, lo, hi, pad, fill, mx)
+#define COMPOSE_KM(RANK)                                       \
+    if (k && masked) COMPOSE_LOOP(RANK, k, 1);                  \
+    else if (k) COMPOSE_LOOP(RANK, k, 0);                       \
+    else if (masked) COMPOSE_LOOP(RANK, static_cast<const float *>(nullptr), 1);   \
+    else COMPOSE_LOOP(RANK, static_cast<const float *>(nullptr), 0);
+    switch (I) {
+        case 1: COMPOSE_KM(1); break;
+        case 2: COMPOSE_KM(2); break;
+        case 3: COMPOSE_KM(3); break;
+        case 4: COMPOSE_KM(4); break;
+        default: COMPOSE_KM(I);
+    }
+#undef COMPOSE_KM
+#undef COMPOSE_LOOP
+}
+
+/* The exponentials of the softmax of one row of n values, in place, given the row's maximum (16 lanes); returns
+   1 / (sum of exp(x - max)): the caller multiplies by it (in the Compose that follows). Partial sums in 16 lanes,
+   so that the loop vectorises. */
+static float softmax_row(float *__restrict__ x, int n, const float *mx) {
+    float lane[16], top = -FLT_MAX;
+    for (int l = 0; l < VW; l++) top = mx[l] > top ? mx[l] : top;
+    for (int l = 0; l < 16; l++) lane[l] = 0.0f;
+    int j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) {
+            const float e = exp_nonpos(x[j + l] - top);
+            x[j + l] = e;
+            lane[l] += e;
+        }
+    float sum = 0.0f;
+    for (; j < n; j++) {
+        x[j] = exp_nonpos(x[j] - top);
+        sum += x[j];
+    }
+    for (int l = 0; l < 16; l++) sum += lane[l];
+    return 1.0f / sum;
+}
+
+/* One tile of DCMHA between the two matrix products, in place: rows [r0, r1) of the chunk for batch x group bg.
+   scores: [B, G*M, c, s] contiguous, the raw q.k products; on return the composed probabilities.
+   qt: [B, G, 2, 2I+1, M, T] (slots pre, post; time last), the chunk's first query at time index t0.
+   kt: [B, G, 2, 2I+1, M, S] (time last), the chunk's first key at index s0; nullptr for query-wise composition.
+   pad: [B, pad_stride] bytes, 1 for a real key, the chunk's first key at index s0; or nullptr. Query r of the chunk
+   sits at absolute position qpos0 + r, key j at kpos0 + j; the query sees the key when kpos <= qpos,
+   kpos > qpos - window (window > 0) and the key is real.
+   The tile is done in three steps: Compose before the softmax (masked keys -FLT_MAX), the softmax of each head's
+   row, Compose after it (masked keys 0; the softmax's division folded into it). Compose works on blocks of BLOCK
+   keys copied to contiguous buffers (the heads' rows, the block's key factors, the row's query factors): in
+   place, the rows of the M heads and of the factors lie a multiple of 4 KiB apart and would compete for the same
+   few L1 cache sets. */
+static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const float *qt, int64_t T, int64_t t0,
+                       const float *kt, int64_t S, int64_t s0, const uint8_t *pad, int64_t pad_stride,
+                       int64_t qpos0, int64_t kpos0, int64_t window, float scale, int64_t bg, int r0, int r1) {
+    const int W = 2 * I + 1, R = r1 - r0;
+    const int64_t b = bg / G;
+    /* per row and head: 1 / sum of the softmax; the scale; a block of scores, of key factors; the query factors of
+       each row; per row and head, the running max of the composed scores (16 lanes) */
+    std::vector<float> buffer((size_t)(R + 1) * M + (size_t)(1 + W) * M * BLOCK + (size_t)R * W * M);
+    std::vector<float> maxima((size_t)VW * R * M);
+    float *sc = buffer.data(), *mx = maxima.data();
+    float *pre = sc + (size_t)R * M, *xb = pre + M, *kb = xb + (size_t)M * BLOCK;
+    float *qb = kb + (size_t)W * M * BLOCK;
+    uint8_t pb[BLOCK];  /* the block's padding bytes */
+    for (int n = 0; n < M; n++) pre[n] = scale;
+    float *base = scores + bg * M * c * s;  /* head n, row r: base + (n * c + r) * s */
+    const uint8_t *pd = pad ? pad + b * pad_stride + s0 : nullptr;
+    for (int slot = 0; slot < 2; slot++) {
+        const float *qs = qt + (bg * 2 + slot) * W * M * T + t0;
+        const float *ks = kt ? kt + (bg * 2 + slot) * W * M * S + s0 : nullptr;
+        const float fill = slot == 0 ? -FLT_MAX : 0.0f;
+        for (int r = 0; r < R; r++)
+            for (int w = 0; w < W * M; w++) qb[r * W * M + w] = qs[(int64_t)w * T + r0 + r];
+        if (slot == 0)
+            for (int i = 0; i < R * M * VW; i++) mx[i] = -FLT_MAX;
+        else
+            for (int r = r0; r < r1; r++)
+                for (int n = 0; n < M; n++)
+                    sc[(r - r0) * M + n] = softmax_row(base + ((int64_t)n * c + r) * s, s, mx + ((r - r0) * M + n) * VW);
+        for (int j0 = 0; j0 < s; j0 += BLOCK) {
+            /* L keys, Lv rounded up to the vector width: the lanes past L are zero, masked, not written */
+            const int L = s - j0 < BLOCK ? s - j0 : BLOCK, Lv = (L + VW - 1) / VW * VW;
+            if (ks)
+                for (int w = 0; w < W * M; w++)
+                    for (int j = 0; j < Lv; j++) kb[w * BLOCK + j] = j < L ? ks[(int64_t)w * S + j0 + j] : 0.0f;
+            if (pd)
+                for (int j = 0; j < Lv; j++) pb[j] = j < L ? pd[j0 + j] : 0;
+            for (int r = r0; r < r1; r++) {
+                const int64_t qpos = qpos0 + r, k0 = kpos0 + j0;
+                /* this row's visible keys in the block, before padding: [lo, hi) */
+                int64_t lo = window > 0 ? qpos - window + 1 - k0 : 0, hi = qpos + 1 - k0;
+                lo = lo < 0 ? 0 : lo;
+                hi = hi > L ? L : hi;
+                if (hi <= lo) { /* the row sees no key of the block */
+                    for (int n = 0; n < M; n++) {
+                        float *x = base + ((int64_t)n * c + r) * s + j0;
+                        for (int j = 0; j < L; j++) x[j] = fill;
+                    }
+                    continue;
+                }
+                for (int n = 0; n < M; n++) {
+                    std::memcpy(xb + n * BLOCK, base + ((int64_t)n * c + r) * s + j0, sizeof(float) * L);
+                    for (int j = L; j < Lv; j++) xb[n * BLOCK + j] = 0.0f;
+                }
+                compose_block(xb, Lv, M, I, qb + (r - r0) * W * M, ks ? kb : nullptr,
+                              slot == 0 ? pre : sc + (r - r0) * M, (int)lo, (int)hi, pd ? pb : nullptr, fill,
+                              slot == 0 ? mx + (r - r0) * M * VW : nullptr);
+                for (int n = 0; n < M; n++)
+                    std::memcpy(base + ((int64_t)n * c + r) * s + j0, xb + n * BLOCK, sizeof(float) * L);
+            }
+        }
+    }
+}
+
+/* dcformer::compose_softmax_compose_: the whole chunk, in place on `scores` ([B, G*M, c, s] fp32 contiguous).
+   Every argument is checked here: the loops trust these bounds. Tiles of `rows` query rows (per batch x group)
+   are spread over PyTorch's intra-op threads when `parallel` (each tile is computed alone: the numbers do not
+   depend on the threads). */
+static void compose_softmax_compose_(const at::Tensor &scores, const at::Tensor &query_terms, int64_t t0,
+                                     const std::optional<at::Tensor> &key_terms, int64_t s0,
+                                     const std::optional<at::Tensor> &key_padding_mask, int64_t query_pos0,
+                                     int64_t key_pos0, int64_t window, double scale, int64_t rank, int64_t num_groups,
+                                     int64_t rows, bool parallel) {
+    auto fp32_cpu = [](const at::Tensor &t, const char *name) {
+        TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                    "the DCMHA CPU kernel takes contiguous float32 CPU tensors; ", name, " is not");
+    };
+    fp32_cpu(scores, "scores");
+    fp32_cpu(query_terms, "query_terms");
+    TORCH_CHECK(scores.dim() == 4, "scores must be [B, N, c, s]");
+    const int64_t B = scores.size(0), N = scores.size(1), c = scores.size(2), s = scores.size(3), G = num_groups;
+    TORCH_CHECK(rank >= 1 && rank <= MAX_RANK, "the DCMHA CPU kernel supports 1 <= dynamic_rank <= ", MAX_RANK);
+    TORCH_CHECK(G >= 1 && N % G == 0 && rows >= 1, "bad num_groups or rows");
+    const int64_t M = N / G, W = 2 * rank + 1;
+    TORCH_CHECK(query_terms.dim() == 6 && query_terms.size(0) == B && query_terms.size(1) == G &&
+                    query_terms.size(2) == 2 && query_terms.size(3) == W && query_terms.size(4) == M,
+                "scores ", scores.sizes(), " do not match the query factors ", query_terms.sizes());
+    const int64_t T = query_terms.size(5);
+    TORCH_CHECK(t0 >= 0 && t0 + c <= T, "queries [", t0, ", ", t0 + c, ") outside the ", T, " of query_terms");
+    const float *kt = nullptr;
+    int64_t S = 0;
+    if (key_terms.has_value()) {
+        fp32_cpu(*key_terms, "key_terms");
+        TORCH_CHECK(key_terms->dim() == 6 && key_terms->sizes().slice(0, 5).equals(query_terms.sizes().slice(0, 5)),
+                    "key factors ", key_terms->sizes(), " do not match the query factors ", query_terms.sizes());
+        S = key_terms->size(5);
+        TORCH_CHECK(s0 >= 0 && s0 + s <= S, "keys [", s0, ", ", s0 + s, ") outside the ", S, " of key_terms");
+        kt = key_terms->data_ptr<float>();
+    }
+    const uint8_t *pad = nullptr;
+    int64_t pad_stride = 0;
+    if (key_padding_mask.has_value()) {
+        const at::Tensor &p = *key_padding_mask;
+        TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 &&
+                        p.size(0) == B && s0 >= 0 && s0 + s <= p.size(1),
+                    "key_padding_mask ", p.sizes(), " must be contiguous uint8 covering batch ", B, ", keys [", s0,
+                    ", ", s0 + s, ")");
+        pad = p.data_ptr<uint8_t>();
+        pad_stride = p.size(1);
+    }
+    float *sp = scores.data_ptr<float>();
+    const float *qt = query_terms.data_ptr<float>();
+    const int64_t ntiles = (c + rows - 1) / rows;
+    auto run = [&](int64_t begin, int64_t end) {
+        for (int64_t index = begin; index < end; index++) {
+            const int64_t bg = index / ntiles, tile = index % ntiles;
+            const int r0 = (int)(tile * rows), r1 = (int)std::min<int64_t>(c, (tile + 1) * rows);
+            dcmha_tile(sp, (int)G, (int)M, (int)c, (int)s, (int)rank, qt, T, t0, kt, S, s0, pad, pad_stride,
+                       query_pos0, key_pos0, window, (float)scale, bg, r0, r1);
+        }
+    };
+    if (parallel)
+        at::parallel_for(0, B * G * ntiles, 1, run);
+    else
+        run(0, B * G * ntiles);
+}
+
+TORCH_LIBRARY(dcformer, m) {
+    m.def("compose_softmax_compose_(Tensor(a!) scores, Tensor query_terms, int t0, Tensor? key_terms, int s0, "
+          "Tensor? key_padding_mask, int query_pos0, int key_pos0, int window, float scale, int rank, "
+          "int num_groups, int rows, bool parallel) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dcformer, CPU, m) { m.impl("compose_softmax_compose_", compose_softmax_compose_); }

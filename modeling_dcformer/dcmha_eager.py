@@ -1,0 +1,202 @@
+"""The reference DCMHA: `compose`, the one Python definition of the Compose maths (docs/spec.md, "Compose"), and
+the "eager" backend, which runs it with PyTorch ops chunk by chunk.
+
+Everything else calls `compose`: the eager chunks (prefill, training, decode steps alike) and the "compiled"
+backend, which compiles the same two stages (`stage_hidden`, `stage_apply`). The C and Triton kernels have their
+own code and are tested against this file's numbers and the float64 oracle of the tests.
+
+Layouts (time last, so that the generated loops of the compiled stages vectorise along the keys):
+    scores         [B, G, M, T, S]   heads split into G groups of M
+    query_terms    [B, G, 2I+1, M, T] one slot's factors of the queries: rows w1 (0..I-1), w2 (I..2I-1), dd (2I)
+    key_terms      [B, G, 2I+1, M, S] the same for the keys, or None (query-wise composition)
+"""
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from .dcmha import DCMHABackend, DCMHAInputs, join_chunks, packed, visible_keys
+
+
+def compose_hidden(
+    scores: torch.Tensor, query_terms: torch.Tensor, key_terms: torch.Tensor | None, rank: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The low-rank hidden values of `compose`: hq[i,t,s] = sum_n A[n,t,s] qw1[t,i,n] and
+    hk[i,t,s] = sum_n A[n,t,s] kw1[s,i,n], each [B, G, I, T, S] (hk None without key terms).
+    A sum of M products (M is static): elementwise work that Inductor vectorises along the keys."""
+    hidden_q = hidden_k = None
+    for n in range(scores.shape[2]):
+        a = scores[:, :, n].unsqueeze(2)  # [B, G, 1, T, S]
+        term = a * query_terms[:, :, :rank, n].unsqueeze(-1)
+        hidden_q = term if hidden_q is None else hidden_q + term
+        if key_terms is not None:
+            term = a * key_terms[:, :, :rank, n].unsqueeze(-2)
+            hidden_k = term if hidden_k is None else hidden_k + term
+    return hidden_q, hidden_k
+
+
+def compose(
+    scores: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    rank: int,
+    hidden: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """Compose the heads of `scores` (A, [B, G, M, T, S]) with one slot's factors (layouts: module docstring):
+
+        out[m,t,s] = A[m,t,s] (1 + qdd[t,m] + kdd[s,m])
+                   + sum_i hq[i,t,s] qw2[t,i,m] + sum_i hk[i,t,s] kw2[s,i,m]
+
+    with the hidden values hq, hk of `compose_hidden` (computed here unless given as `hidden`). Without key terms
+    (query-wise) the key-wise terms are absent. Heads mix within a group; positions never mix."""
+    I = rank
+    hidden_q, hidden_k = compose_hidden(scores, query_terms, key_terms, rank) if hidden is None else hidden
+    out = scores * (1 + query_terms[:, :, 2 * I].unsqueeze(-1))
+    for i in range(I):
+        out = out + query_terms[:, :, I + i].unsqueeze(-1) * hidden_q[:, :, i].unsqueeze(2)
+    if key_terms is not None:
+        out = out + scores * key_terms[:, :, 2 * I].unsqueeze(-2)
+        for i in range(I):
+            out = out + key_terms[:, :, I + i].unsqueeze(-2) * hidden_k[:, :, i].unsqueeze(2)
+    return out
+
+
+def stage_hidden(
+    raw: torch.Tensor, query_terms: torch.Tensor, key_terms: torch.Tensor | None, scale: float, rank: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """First stage of a Compose: the hidden values of `raw * scale` ([B, G, M, c, s])."""
+    return compose_hidden(raw * scale, query_terms, key_terms, rank)
+
+
+def stage_apply(
+    raw: torch.Tensor,
+    query_terms: torch.Tensor,
+    key_terms: torch.Tensor | None,
+    hidden_q: torch.Tensor,
+    hidden_k: torch.Tensor | None,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    window_size: int | None,
+    scale: float,
+    fill: float | None,
+    rank: int,
+) -> torch.Tensor:
+    """Second stage: the Compose of `raw * scale` finished, the keys a query cannot see set to `fill` (None: left as
+    they are; the mask is computed from the positions, never read from memory). Returns [B, N, c, s]."""
+    B, G, M, c, s = raw.shape
+    out = compose(raw * scale, query_terms, key_terms, rank, hidden=(hidden_q, hidden_k)).view(B, G * M, c, s)
+    if fill is not None:
+        out = out.masked_fill(~visible_keys(q_pos, k_pos, window_size, key_padding_mask), fill)
+    return out
+
+
+EAGER_STAGES = (stage_hidden, stage_apply)
+
+
+def attend_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_terms: torch.Tensor | None,
+    key_terms: torch.Tensor | None,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    window_size: int | None,
+    masked: bool,
+    rank: int,
+    num_groups: int,
+    need_probs: bool = True,
+    stages: tuple = EAGER_STAGES,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DCMHA of one chunk of queries against the keys it may see: q.k, Compose (pre slot), mask, softmax, Compose
+    (post slot), @ v. q [B, N, c, Dh], k and v [B, N, s, Dh]; query_terms [B, G, 2, 2I+1, M, c] and key_terms
+    [B, G, 2, 2I+1, M, s] (slots pre, post; time last) or None; q_pos [c], k_pos [s] absolute positions;
+    key_padding_mask [B, s] bool or None; `masked`: whether some query of the chunk cannot see some key (False
+    for a decode step without padding: no mask is applied). `stages`: (stage_hidden, stage_apply), or their
+    compiled versions. Returns the output [B, c, N, Dh] and the probabilities [B, N, c, s] (fp32) if asked."""
+    B, N, c, Dh = q.shape
+    s = k.shape[2]
+    scale = Dh**-0.5
+    pre_fill = torch.finfo(torch.float32).min if masked else None
+    # without padding, masked keys come out of the softmax as exact zeros and Compose keeps them zero
+    post_fill = 0.0 if key_padding_mask is not None else None
+    if query_terms is None:  # plain multi-head attention (use_dcmha=False)
+        allowed = visible_keys(q_pos, k_pos, window_size, key_padding_mask) if masked else None
+        if not need_probs:  # SDPA's fused kernel (rows with no visible key: 0)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2), None
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1)
+        if allowed is not None and post_fill is not None:
+            probs = probs.masked_fill(~allowed, post_fill)
+    else:
+        hidden_fn, apply_fn = stages
+        G, M = num_groups, N // num_groups
+        mask = (q_pos, k_pos, key_padding_mask, window_size)
+        # each slot copied to standard strides: the compiled stages see no strides to specialise on
+        pre_q, post_q = packed(query_terms[:, :, 0]), packed(query_terms[:, :, 1])
+        pre_k = None if key_terms is None else packed(key_terms[:, :, 0])
+        post_k = None if key_terms is None else packed(key_terms[:, :, 1])
+        raw = torch.matmul(q, k.transpose(-1, -2)).float().view(B, G, M, c, s)
+        hidden = hidden_fn(raw, pre_q, pre_k, scale, rank)
+        scores = apply_fn(raw, pre_q, pre_k, *hidden, *mask, scale, pre_fill, rank)
+        probs = torch.softmax(scores, dim=-1).view(B, G, M, c, s)
+        hidden = hidden_fn(probs, post_q, post_k, 1.0, rank)
+        probs = apply_fn(probs, post_q, post_k, *hidden, *mask, 1.0, post_fill, rank)
+    out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+    return out, (probs if need_probs else None)
+
+
+class EagerBackend(DCMHABackend):
+    """"eager": `attend_chunk` with PyTorch ops, one chunk of queries at a time (each chunk only touches the keys it
+    can see: O(T x window) on a local layer); with `recompute`, a chunk's intermediates are recomputed in the
+    backward pass instead of kept. Runs anywhere, returns the probabilities, and is the reference."""
+
+    name = "eager"
+    stages = EAGER_STAGES
+
+    def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
+        B, N, T, S, Dh = inputs.shapes
+        device = inputs.query.device
+        if not inputs.composed and not output_attentions and inputs.plain_causal:
+            # plain causal attention over the whole call: one SDPA call, causal by its own flag
+            out = F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value, is_causal=T > 1)
+            return out.transpose(1, 2), None
+        q, k, v = inputs.query, inputs.key, inputs.value
+        qt, kt = inputs.time_last_terms()
+        q_pos = torch.arange(inputs.query_start, inputs.query_start + T, device=device)
+        k_pos = torch.arange(inputs.key_start, inputs.key_start + S, device=device)
+        pad = inputs.key_padding_mask
+        probs_all = q.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
+        recompute = recompute and not output_attentions
+        outputs = []
+        for t0, t1, s0, s1 in inputs.chunk_spans():
+            args = (
+                q[:, :, t0:t1],
+                k[:, :, s0:s1],
+                v[:, :, s0:s1],
+                None if qt is None else qt[..., t0:t1],
+                None if kt is None else kt[..., s0:s1],
+                q_pos[t0:t1],
+                k_pos[s0:s1],
+                None if pad is None else packed(pad[:, s0:s1]),
+                inputs.window_size,
+                inputs.chunk_is_masked(t0, t1, s0, s1),
+                inputs.rank,
+                inputs.num_groups,
+                output_attentions,
+                self.stages,
+            )
+            if recompute:
+                out, probs = torch.utils.checkpoint.checkpoint(attend_chunk, *args, use_reentrant=False)
+            else:
+                out, probs = attend_chunk(*args)
+            if probs_all is not None:
+                probs_all[:, :, t0:t1, s0:s1] = probs.view(B, N, t1 - t0, s1 - s0)
+            outputs.append(out)
+        if not outputs:
+            return q.new_zeros(B, 0, N, v.shape[-1]), probs_all
+        return join_chunks(outputs), probs_all
