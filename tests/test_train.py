@@ -31,14 +31,11 @@ SCRIPT = EXAMPLES / "train_clm.py"
 TRAIN_TXT = EXAMPLES / "data" / "harbour_train.txt"
 VALID_TXT = EXAMPLES / "data" / "harbour_validation.txt"
 ACCELERATE_DIR = EXAMPLES / "accelerate"
-for _path in (ROOT, EXAMPLES):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
-from tokenizer_utils import build_tiny_tokenizer, read_lines  # noqa: E402
+from tokenizer_utils import build_tiny_tokenizer, read_lines  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
 
-import modeling_dcformer  # noqa: E402,F401
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
+import modeling_dcformer  # noqa: F401
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 
 BLOCK = 32
 TOKENIZER_VOCAB = 384
@@ -149,7 +146,6 @@ def subprocess_env(tmp_path):
         HF_HOME=str(tmp_path / "hf_home"),  # datasets' cache of the local files goes here, not to ~/.cache
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         PYTHONUNBUFFERED="1",
         ACCELERATE_DISABLE_RICH="1",
     )
