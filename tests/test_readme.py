@@ -61,7 +61,7 @@ def stand_ins(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("stand_ins")
     pythia = root / "pythia-tiny"
-    demo.build_tiny_pythia(pythia, read_lines(demo.TRAIN_TXT), seed=0)
+    demo.build_tiny_pythia(pythia, read_lines([demo.TRAIN_TXT]), seed=0)
     dcpythia, _, _ = released_dir(root, "released-dcpythia", model_type="dcpythia")
     dcformer, _, _ = released_dir(root, "released-dcformer", model_type="dcformer")
     return {"Caiyun-AI/DCPythia-6.9B": str(dcpythia), "Caiyun-AI/DCFormer-2.8B": str(dcformer),
