@@ -28,7 +28,7 @@ from released_checkpoint import released_dir
 
 CODE_FILES = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "hub.py", "cpu_kernel.py",
               "triton_kernel.py"}
-LM_EVAL_RESULTS = {  # the shape of what lm-eval / evals/harness.py write (abridged)
+LM_EVAL_RESULTS = {  # the shape of what lm-eval / dcformer-eval write (abridged)
     "results": {
         "piqa_local": {"alias": "piqa_local", "acc,none": 0.625, "acc_stderr,none": 0.125, "acc_norm,none": 0.5,
                        "acc_norm_stderr,none": "N/A"},

@@ -535,7 +535,7 @@ def test_incomplete_split_qkv_is_an_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 6. conversion/caiyun_to_hf.py
+# 6. dcformer-convert-released (conversion/caiyun_to_hf.py)
 # ------------------------------------------------------------------------------------------------------------
 def run_cli(capsys, *argv):
     rc = caiyun_to_hf.main([str(a) for a in argv])

@@ -449,7 +449,7 @@ def test_script_cli_end_to_end(tokenizer_dir, tmp_path):
 
 
 def test_script_cli_model_dir_jsonl_and_auto_resume(tokenizer_dir, tmp_path):
-    """Fine-tuning a saved model directory (a DCPythia body as conversion/pythia_to_dcpythia.py writes it: qk-norm
+    """Fine-tuning a saved model directory (a DCPythia body as dcformer-convert-pythia writes it: qk-norm
     off, every layer global) on a .jsonl `text` column with the validation split held out of it; a second run in
     the same output_dir with more steps resumes from the last checkpoint (history kept, global step continued)."""
     from transformers import AutoModelForCausalLM
