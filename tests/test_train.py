@@ -146,6 +146,8 @@ def subprocess_env(tmp_path):
         HF_HOME=str(tmp_path / "hf_home"),  # datasets' cache of the local files goes here, not to ~/.cache
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
+        # the worker processes that run this file import as the tests do (setup.cfg's pytest `pythonpath`)
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLES)]),
         PYTHONUNBUFFERED="1",
         ACCELERATE_DISABLE_RICH="1",
     )
@@ -408,7 +410,7 @@ def test_script_units():
 
     from transformers import GPTNeoXConfig
 
-    with pytest.raises(ValueError, match="pythia_to_dcpythia.py"):
+    with pytest.raises(ValueError, match="dcformer-convert-pythia"):
         script.refuse_non_dcformer(GPTNeoXConfig(), "EleutherAI/pythia-70m")
 
 
