@@ -3,7 +3,7 @@ PY ?= python3
 # The CPU build of torch where this machine has it on disk (fast); otherwise whatever fits the package range.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test bench
+.PHONY: install demo test check-wheel bench
 
 install:
 	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q "torch>=2.5,<3"
@@ -14,6 +14,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# A wheel of this checkout in a fresh virtual environment (the README's install block), used from a temporary
+# directory: console scripts, presets, the quick start, convert -> evaluate -> save -> remote-code reload.
+check-wheel: install
+	DCFORMER_TEST_WHEEL=1 $(PY) -m pytest -q tests/test_wheel.py
 
 bench: install
 	$(PY) benchmarks/bench_model.py

@@ -25,14 +25,10 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-import modeling_dcformer.modeling_dcformer as mdl  # noqa: E402
-from modeling_dcformer import DCFormerConfig  # noqa: E402
+import modeling_dcformer.modeling_dcformer as mdl
+from modeling_dcformer import DCFormerConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -60,9 +60,6 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the package is used from the checkout, installed or not
-    sys.path.insert(0, ROOT)
-CONFIG_DIR = os.path.join(ROOT, "configuration")
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -71,7 +68,10 @@ import transformers  # noqa: E402
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import modeling_dcformer  # noqa: E402,F401
+import modeling_dcformer.configuration  # noqa: E402
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
+
+CONFIG_DIR = os.path.dirname(modeling_dcformer.configuration.__file__)  # the presets, installed with the package
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}

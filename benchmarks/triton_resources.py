@@ -23,9 +23,6 @@ import tempfile
 import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from modeling_dcformer import triton_kernel  # noqa: E402
 

@@ -3,8 +3,8 @@ local directory in that layout) in this project's native layout: our config, saf
 tokenizer files, dtype kept, the remote code (so that it loads with `trust_remote_code=True` where this package is
 not installed) and a model card (base_model: the source when it is a Hub id).
 
-    python conversion/caiyun_to_hf.py Caiyun-AI/DCPythia-6.9B ./dcpythia-6.9b-hf
-    python conversion/caiyun_to_hf.py Caiyun-AI/DCPythia-6.9B ./dcpythia-6.9b-hf --push-to-hub me/DCPythia-6.9B-hf
+    dcformer-convert-released Caiyun-AI/DCPythia-6.9B ./dcpythia-6.9b-hf
+    dcformer-convert-released Caiyun-AI/DCPythia-6.9B ./dcpythia-6.9b-hf --push-to-hub me/DCPythia-6.9B-hf
 
 (`--license ID` puts the release's license, as its own model card states it, in the card's metadata.)
 
@@ -17,14 +17,11 @@ import re
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from conversion.common import (
+from .common import (
     ShardWriter,
     add_hub_arguments,
     atomic_output_dir,

@@ -2,9 +2,9 @@
 the same body with DCMHA attention whose dynamic composition weights are initialised so that the converted
 model computes exactly the source's function, yet every new parameter gets a gradient on the first backward.
 
-    python conversion/pythia_to_dcpythia.py EleutherAI/pythia-410m ./dcpythia-410m
-    python conversion/pythia_to_dcpythia.py EleutherAI/pythia-1b ./dcpythia-1b --revision step100000
-    python conversion/pythia_to_dcpythia.py ./my-neox ./my-dcneox --dtype bfloat16 --no-verify
+    dcformer-convert-pythia EleutherAI/pythia-410m ./dcpythia-410m
+    dcformer-convert-pythia EleutherAI/pythia-1b ./dcpythia-1b --revision step100000
+    dcformer-convert-pythia ./my-neox ./my-dcneox --dtype bfloat16 --no-verify
 
 The fused `query_key_value` weight (per head [q_h; k_h; v_h]) is regrouped into our [all q; all k; all v];
 the vocabulary (padded rows included), rotary fraction and base, norms, residual layout, biases and maximum
@@ -18,7 +18,7 @@ destination appears only once complete and verified (written beside it, then ren
 and a model card (base_model: the source when it is a Hub id), so it loads with `trust_remote_code=True` where this
 package is not installed; `--push-to-hub REPO` then uploads it:
 
-    python conversion/pythia_to_dcpythia.py EleutherAI/pythia-410m ./dcpythia-410m --push-to-hub me/dcpythia-410m
+    dcformer-convert-pythia EleutherAI/pythia-410m ./dcpythia-410m --push-to-hub me/dcpythia-410m
 """
 
 import argparse
@@ -28,15 +28,13 @@ import re
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from tqdm.auto import tqdm
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
-from conversion.common import (
+from .common import (
     ShardWriter,
     add_hub_arguments,
     atomic_output_dir,
@@ -405,7 +403,7 @@ def convert(
         converted_from_commit=snapshot_revision(src_dir),
         converted_from_model_type="gpt_neox",
         conversion={
-            "tool": "conversion/pythia_to_dcpythia.py",
+            "tool": "dcformer-convert-pythia",
             "dynamic_weights_init": "exact (active/dormant halves, dd = 0)",
             "init_scale": init_scale,
             "seed": seed,

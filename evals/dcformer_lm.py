@@ -19,16 +19,11 @@ hands to `from_pretrained`, so a config override such as `attention_chunk_size=5
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # the package is used from the checkout, installed or not
-    sys.path.insert(0, str(REPO_ROOT))
+from lm_eval.api.registry import model_registry, register_model
+from lm_eval.models.huggingface import HFLM
 
-import modeling_dcformer  # noqa: E402,F401  (registers the Auto classes)
-from lm_eval.api.registry import model_registry, register_model  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
+import modeling_dcformer  # registers the Auto classes
 
 MODEL_NAME = "dcformer"
 

@@ -5,17 +5,17 @@ Command line -- exactly lm-eval's (`run`, `ls`, `validate`, every option), with 
 `dcformer` (see evals/dcformer_lm.py) and the tasks of evals/tasks (`lambada_openai_local`, `piqa_local`,
 `hellaswag_local`, the tag `dcformer_local` for those three, and `dcformer_gen_local`):
 
-    python evals/harness.py run --model dcformer --model_args pretrained=Caiyun-AI/DCPythia-6.9B,dtype=float16 \\
+    dcformer-eval run --model dcformer --model_args pretrained=Caiyun-AI/DCPythia-6.9B,dtype=float16 \\
         --tasks lambada_openai,piqa,hellaswag --batch_size 16 --device cuda:0 --output_path results/dcpythia-6.9b
-    python evals/harness.py run --model hf --model_args pretrained=EleutherAI/pythia-6.9b,dtype=float16 \\
+    dcformer-eval run --model hf --model_args pretrained=EleutherAI/pythia-6.9b,dtype=float16 \\
         --tasks lambada_openai,piqa,hellaswag --batch_size 16 --device cuda:0 --output_path results/pythia-6.9b
-    python evals/harness.py run --model dcformer --model_args pretrained=./my-dcformer --device cpu \\
+    dcformer-eval run --model dcformer --model_args pretrained=./my-dcformer --device cpu \\
         --tasks dcformer_local --metadata data_dir=/data/evals      # offline (or DCFORMER_EVAL_DATA=/data/evals)
-    python evals/harness.py ls tasks
+    dcformer-eval ls tasks
 
 Python (notebooks, tests):
 
-    from evals.harness import evaluate
+    from modeling_dcformer.evals.harness import evaluate
     results = evaluate(model, tokenizer, ["lambada_openai_local", "piqa_local", "hellaswag_local"], batch_size=8)
     results["results"]["piqa_local"]["acc,none"]
 """
@@ -31,17 +31,8 @@ from pathlib import Path
 from typing import Any
 
 EVALS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = EVALS_DIR.parent
 TASKS_DIR = EVALS_DIR / "tasks"
 DEFAULT_TASKS = ("lambada_openai_local", "piqa_local", "hellaswag_local")
-
-if __name__ == "__main__":
-    # Run as a script: Python put evals/ first on sys.path; import this file's package from the repository
-    # root instead, so that `evals.*` (and `modeling_dcformer`) are single modules whoever imports them.
-    if sys.path and Path(sys.path[0] or ".").resolve() == EVALS_DIR:
-        sys.path.pop(0)
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 def _as_paths(include_path: str | os.PathLike | Iterable[str | os.PathLike] | None) -> list[Path]:
@@ -143,7 +134,7 @@ def evaluate(
     from lm_eval.api.model import LM
     from lm_eval.api.registry import get_model
 
-    from evals import dcformer_lm
+    from . import dcformer_lm
 
     dcformer_lm.register()
     task_list = _flatten_task_names(tasks)
@@ -230,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
-    from evals import dcformer_lm
+    from . import dcformer_lm
 
     dcformer_lm.register()
     saved_argv = sys.argv
@@ -254,6 +245,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from evals.harness import main as _main  # the package's copy (see the sys.path note at the top)
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """lm-eval results files -> a markdown table (model x task: acc / acc_norm / perplexity with stderr) and a bar chart.
 
-    python evals/report.py results/dcpythia-6.9b results/pythia-6.9b --published evals/published.yaml -o report
-    python evals/report.py "DCPythia-6.9B=results/dcpythia-6.9b" "Pythia-6.9B=results/pythia-6.9b"
+    python -m modeling_dcformer.evals.report results/dcpythia-6.9b results/pythia-6.9b --published evals/published.yaml -o report
+    python -m modeling_dcformer.evals.report "DCPythia-6.9B=results/dcpythia-6.9b" "Pythia-6.9B=results/pythia-6.9b"
 
 Each input is a results JSON file (what `harness.py run --output_path` or `evaluate(..., output_path=...)` writes)
 or a directory searched recursively for `results*.json`; `LABEL=PATH` names the model (default: the results'

@@ -45,19 +45,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-for _path in (ROOT, ROOT / "examples"):  # the package and synthetic_tasks, installed or not
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+import numpy as np
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Trainer, TrainingArguments, set_seed
+from transformers.utils import logging as hf_logging
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+import modeling_dcformer  # noqa: F401
+import modeling_dcformer.configuration
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from synthetic_tasks import TASKS, PadCollator, SyntheticDataset, TaskConfig, TaskVocab
 
-import modeling_dcformer  # noqa: E402,F401
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
-from synthetic_tasks import TASKS, PadCollator, SyntheticDataset, TaskConfig, TaskVocab  # noqa: E402
+PRESET_DIR = Path(modeling_dcformer.configuration.__file__).parent  # the presets, installed with the package
 
 logger = hf_logging.get_logger("dcformer.compare_small")
 
@@ -272,8 +270,8 @@ def resolve_shape(args) -> dict:
     shape = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": None}
     if args.shape:
         path = Path(args.shape)
-        if not path.is_file() and (ROOT / "configuration" / f"{args.shape}.json").is_file():
-            path = ROOT / "configuration" / f"{args.shape}.json"
+        if not path.is_file() and (PRESET_DIR / f"{args.shape}.json").is_file():
+            path = PRESET_DIR / f"{args.shape}.json"
         if not path.is_file():
             raise ValueError(f"--shape: {args.shape!r} is neither a config JSON file nor a preset in configuration/")
         try:

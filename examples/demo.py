@@ -10,7 +10,7 @@ With its defaults nothing is downloaded; every step is the real-size path run on
 1. Pythia: a tiny random GPTNeoXForCausalLM (Pythia's layout: parallel residual, rotary on 1/4 of each head,
    a vocabulary padded beyond the tokenizer) with a byte-level BPE tokenizer trained here on the bundled corpus
    (examples/tokenizer_utils.py), saved as a checkpoint directory.   Real size: --pythia EleutherAI/pythia-160m
-2. Conversion: conversion/pythia_to_dcpythia.py (its command line, `main(argv)`) with --verify: the DCPythia's
+2. Conversion: dcformer-convert-pythia (its command line, `main(argv)`) with --verify: the DCPythia's
    fp32 logits must equal the Pythia's (max |difference| <= 1e-4) or nothing is written.
 3. Fine-tuning: examples/train_clm.py (its command line, `main(argv)`: Trainer) on examples/data/, with the
    validation loss measured before and after.   Real size: --dataset wikitext --dataset-config wikitext-2-raw-v1
@@ -43,20 +43,17 @@ import time
 from pathlib import Path
 
 _T_MODULE = time.perf_counter()  # the script's wall time counts its imports too
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-for _path in (ROOT, EXAMPLES):  # the package, the converter, evals and the example scripts, installed or not
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+EXAMPLES = Path(__file__).resolve().parent
+ROOT = EXAMPLES.parent
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap stderr in this process: no fork after torch
 
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers.utils import logging as hf_logging
 
-import modeling_dcformer  # noqa: E402,F401  (registers "dcformer" with the Auto classes)
+import modeling_dcformer  # noqa: F401  (registers "dcformer" with the Auto classes)
 
 logger = hf_logging.get_logger("dcformer.demo")
 
@@ -119,7 +116,7 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 def build_tiny_pythia(dst: Path, tokenizer_texts: list[str], seed: int) -> dict:
     """A random GPT-NeoX causal LM of Pythia's layout and a byte-level BPE tokenizer, saved to `dst`."""
-    from conversion.common import atomic_output_dir
+    from modeling_dcformer.conversion.common import atomic_output_dir
     from tokenizer_utils import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(tokenizer_texts, TINY_PYTHIA["vocab_size"])
@@ -142,14 +139,14 @@ def build_tiny_pythia(dst: Path, tokenizer_texts: list[str], seed: int) -> dict:
 # 2. Conversion
 # ----------------------------------------------------------------------------------------------------------------
 def convert(src: str, dst: Path, revision: str | None) -> dict:
-    """conversion/pythia_to_dcpythia.py's command line, with --verify; the measured difference is read back from
+    """dcformer-convert-pythia's command line, with --verify; the measured difference is read back from
     the config it wrote (`conversion.max_logit_difference`)."""
-    from conversion import pythia_to_dcpythia as p2d
+    from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
 
     argv = [src, str(dst), "--verify", "--overwrite"]
     if revision:
         argv += ["--revision", revision]
-    print(f"$ python conversion/pythia_to_dcpythia.py {shlex.join(argv)}", flush=True)
+    print(f"$ dcformer-convert-pythia {shlex.join(argv)}", flush=True)
     code = p2d.main(argv)
     if code != 0:
         raise SystemExit(f"error: the conversion failed (exit code {code}); see the message above")
@@ -231,7 +228,7 @@ def finetune(args, model_dir: Path, out_dir: Path, tiny: bool):
 # ----------------------------------------------------------------------------------------------------------------
 def evaluate(model, tokenizer, args, out: Path, model_name: str) -> dict:
     """lm-eval through evals.harness on the in-memory model; accuracies (and LAMBADA's perplexity) per task."""
-    from evals.harness import evaluate as lm_eval_evaluate
+    from modeling_dcformer.evals.harness import evaluate as lm_eval_evaluate
 
     tasks = [t for t in args.tasks.split(",") if t]
     limit = args.limit or None
@@ -269,7 +266,7 @@ def card_options_supported(model) -> bool:
 def save(model, tokenizer, dst: Path, eval_file: Path | None, repo_id: str | None) -> dict:
     """save_pretrained (model and tokenizer) into a directory that appears only when complete. Where
     save_pretrained writes a model card, it gets the directory's (or the Hub repo's) name and the lm-eval results."""
-    from conversion.common import atomic_output_dir
+    from modeling_dcformer.conversion.common import atomic_output_dir
 
     kwargs = {}
     if card_options_supported(model):
@@ -323,8 +320,6 @@ class BlockInstalledPackage(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, BlockInstalledPackage())
-# -I dropped PYTHONPATH: its entries outside the checkout come back (where the dependencies may live)
-sys.path[:0] = [p for p in os.environ.get("DCFORMER_DEMO_PYTHONPATH", "").split(os.pathsep) if p]
 import torch
 from transformers import AutoModelForCausalLM
 model_dir, ids_file, out_file = sys.argv[1:4]
@@ -343,10 +338,7 @@ def reload_remote(model_dir: Path, reference: torch.Tensor, ids: torch.Tensor, t
     with tempfile.TemporaryDirectory(prefix="dcformer-remote-") as tmp:
         tmp = Path(tmp)
         (tmp / "ids.json").write_text(json.dumps(ids.tolist()))
-        outside = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                   if p and not Path(p).resolve().is_relative_to(ROOT)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp / "modules"), "OMP_NUM_THREADS": "1",
-               "DCFORMER_DEMO_PYTHONPATH": os.pathsep.join(outside)}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp / "modules"), "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-I", "-c", REMOTE_CHILD, str(model_dir.resolve()), "ids.json", "logits.pt"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
@@ -514,7 +506,7 @@ def parse_args(argv=None):
     data.add_argument("--max-eval-samples", type=int, default=None, help="validation blocks to score (default all)")
     data.add_argument("--train-args", default="", help="more train_clm.py / TrainingArguments flags, one string "
                       "(with '=' when it starts with a dash): --train-args=\"--bf16 --activation_checkpointing\"")
-    ev = p.add_argument_group("evaluation (lm-eval through evals/harness.py)")
+    ev = p.add_argument_group("evaluation (lm-eval through modeling_dcformer.evals.harness)")
     ev.add_argument("--tasks", default=LOCAL_TASKS, help=f"comma-separated lm-eval tasks (default {LOCAL_TASKS}: "
                     "offline copies on evals/fixtures; real ones: lambada_openai,piqa,hellaswag)")
     ev.add_argument("--limit", type=int, default=20, help="rows a task (default 20; 0: all)")
@@ -575,7 +567,7 @@ def run(argv=None, t_start: float | None = None) -> dict:
         summary["source"] = {"source": args.pythia, "dir": args.pythia, "revision": args.pythia_revision}
     stage("pythia", t0)
 
-    banner(2, "Convert to DCPythia (conversion/pythia_to_dcpythia.py --verify)")
+    banner(2, "Convert to DCPythia (dcformer-convert-pythia --verify)")
     t0 = time.perf_counter()
     converted_dir = out / source_name(src)
     summary["conversion"] = convert(src, converted_dir, args.pythia_revision)
@@ -595,7 +587,7 @@ def run(argv=None, t_start: float | None = None) -> dict:
           f"{fmt(t['eval_loss_before'])} -> {fmt(t['eval_loss_after'])}")
     stage("finetune", t0)
 
-    banner(4, "Evaluate with lm-eval (evals/harness.py)")
+    banner(4, "Evaluate with lm-eval (modeling_dcformer.evals.harness)")
     t0 = time.perf_counter()
     model_dir = out / f"{source_name(src)}-finetuned"
     summary["evaluation"] = evaluate(model, tokenizer, args, out, model_dir.name)

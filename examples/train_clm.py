@@ -3,8 +3,8 @@
 
 The model comes from
   * `--model_name_or_path`: a model directory or Hub id (a released DCFormer/DCPythia, a model saved by this
-    script, or a Pythia converted with `conversion/pythia_to_dcpythia.py`), or
-  * `--config_name`: a preset (`dcformer-tiny` resolves to `configuration/dcformer-tiny.json`), a config JSON
+    script, or a Pythia converted with `dcformer-convert-pythia`), or
+  * `--config_name`: a preset (`dcformer-tiny` is `DCFormerConfig.from_preset("dcformer-tiny")`), a config JSON
     file, or a directory / Hub id holding a config, trained from scratch; it needs `--tokenizer_name` (or
     `--new_tokenizer_vocab_size` to train a small byte-level BPE tokenizer on the training text).
 The data comes from `--dataset_name [--dataset_config_name]` (the Hub) or `--train_file [--validation_file]`
@@ -32,15 +32,10 @@ from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-for _path in (ROOT, ROOT / "examples"):  # the package and the tokenizer helper, installed or not
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-import datasets  # noqa: E402
-import torch  # noqa: E402
-from datasets import load_dataset  # noqa: E402
-from transformers import (  # noqa: E402
+import datasets
+import torch
+from datasets import load_dataset
+from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -50,15 +45,16 @@ from transformers import (  # noqa: E402
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import logging as hf_logging
 
-import modeling_dcformer  # noqa: E402,F401  (registers "dcformer"/"dcpythia" with the Auto classes; before loading)
-from modeling_dcformer import DCFormerConfig  # noqa: E402
+import modeling_dcformer  # noqa: F401  (registers "dcformer"/"dcpythia" with the Auto classes; before loading)
+import modeling_dcformer.configuration
+from modeling_dcformer import DCFormerConfig
 
 logger = hf_logging.get_logger("dcformer.train_clm")
 
-PRESET_DIR = ROOT / "configuration"
+PRESET_DIR = Path(modeling_dcformer.configuration.__file__).parent  # the presets, installed with the package
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -68,7 +64,7 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "A model directory or Hub id to start from (DCFormer/DCPythia, released or ours, or a Pythia "
-            "converted with conversion/pythia_to_dcpythia.py). Leave out to train from --config_name."
+            "converted with dcformer-convert-pythia). Leave out to train from --config_name."
         },
     )
     config_name: str | None = field(
@@ -187,7 +183,7 @@ def refuse_non_dcformer(config, source: str):
     hint = ""
     if model_type == "gpt_neox":
         hint = (
-            f" Convert the Pythia/GPT-NeoX checkpoint first: python conversion/pythia_to_dcpythia.py {source} "
+            f" Convert the Pythia/GPT-NeoX checkpoint first: dcformer-convert-pythia {source} "
             "./dcpythia-converted, then pass --model_name_or_path ./dcpythia-converted."
         )
     raise ValueError(f"{source!r} is a {model_type!r} model, not DCFormer.{hint}")

@@ -252,6 +252,23 @@ class DCFormerConfig(PreTrainedConfig):
         """C: (pre-query, pre-key, post-query, post-key), or only the query slots when `query_wise`."""
         return 2 if self.query_wise else 4
 
+    @classmethod
+    def from_preset(cls, name: str, **kwargs) -> "DCFormerConfig":
+        """The config of a preset shipped with the package (`configuration/NAME.json` in the repository,
+        `modeling_dcformer.configuration` once installed), e.g. `DCFormerConfig.from_preset("dcpythia-6.9b")`.
+        Keyword arguments override the preset's values (`from_preset("dcformer-tiny", window_size=None)`)."""
+        import json
+        from importlib.resources import files
+
+        try:
+            presets = files("modeling_dcformer.configuration")
+        except ModuleNotFoundError as err:  # remote code on the Hub: the presets come with the installed package
+            raise ValueError("presets need the installed modeling_dcformer package (pip install modeling-dcformer)") from err
+        names = sorted(p.name[: -len(".json")] for p in presets.iterdir() if p.name.endswith(".json"))
+        if name not in names:
+            raise ValueError(f"unknown preset {name!r}; the presets are: {', '.join(names)}")
+        return cls.from_dict({**json.loads((presets / f"{name}.json").read_text()), **kwargs})
+
 
 class DCPythiaConfig(DCFormerConfig):
     """model_type "dcpythia" of the released Caiyun-AI/DCPythia-6.9B: loading such a config gives the

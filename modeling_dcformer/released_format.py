@@ -1,7 +1,7 @@
 """The authors' released checkpoint layout (Caiyun-AI/DCPythia-6.9B, Caiyun-AI/DCFormer-2.8B) and its
 translation to ours: config keys, state-dict keys, and the derived tensors that are never used.
 
-See docs/spec.md, sections "Released configuration keys" and "Released state-dict keys".
+See `docs/spec.md`, sections "Released configuration keys" and "Released state-dict keys".
 """
 
 import re

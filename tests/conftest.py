@@ -7,8 +7,6 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the package is used from the checkout, installed or not
-    sys.path.insert(0, ROOT)
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter: it is read when the kernels are defined, so
 # before the package is imported (test_triton_kernel.py).

@@ -1,6 +1,6 @@
 """A slow, independent reference implementation of DCMHA and of the DCFormer causal LM.
 
-Written from `shared/DCMHA.md` only: it never imports anything from `modeling_dcformer`. It takes plain tensors
+Written from `docs/spec.md` only: it never imports anything from `modeling_dcformer`. It takes plain tensors
 (a module's or a model's state_dict) plus a config object from which it reads only plain numbers and flags.
 Everything is spelled out with explicit loops over heads / slots / ranks and small einsums so that it can be
 checked by eye against the formulas of the spec. It runs in whatever dtype its inputs have: the tests feed it

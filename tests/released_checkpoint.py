@@ -1,6 +1,6 @@
 """Builders of tiny checkpoints in the authors' *released* layout (Caiyun-AI/DCPythia-6.9B, Caiyun-AI/DCFormer-2.8B).
 
-Everything here is written from `shared/DCMHA.md` ("Released configuration keys", "Released state-dict keys",
+Everything here is written from `docs/spec.md` ("Released configuration keys", "Released state-dict keys",
 "Bodies") and from the authors' published config files -- never from our model's state dict or config class, so
 that a renaming or shape mistake in `modeling_dcformer` cannot be copied into the fixtures. Nothing in this file
 imports `modeling_dcformer`.

@@ -12,12 +12,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-for _path in (ROOT, ROOT / "examples"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
-import compare_small  # noqa: E402
-from synthetic_tasks import (  # noqa: E402
+import compare_small  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
+from synthetic_tasks import (
     IGNORE_INDEX,
     PadCollator,
     SyntheticDataset,

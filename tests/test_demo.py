@@ -15,10 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-for _path in (ROOT, EXAMPLES):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+EXAMPLES = ROOT / "examples"  # on sys.path through setup.cfg's pytest `pythonpath`
 for _key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # before datasets / lm_eval load
     os.environ.setdefault(_key, "1")
 

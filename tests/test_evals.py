@@ -39,9 +39,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 import modeling_dcformer  # noqa: E402,F401
-from evals import harness, report  # noqa: E402
-from evals.dcformer_lm import DCFormerLM  # noqa: E402
-from evals.tasks import local_data  # noqa: E402
+from modeling_dcformer.evals import harness, report  # noqa: E402
+from modeling_dcformer.evals.dcformer_lm import DCFormerLM  # noqa: E402
+from modeling_dcformer.evals.tasks import local_data  # noqa: E402
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
 
 FIXTURES = ROOT / "evals" / "fixtures"
@@ -255,7 +255,7 @@ def test_batch_size_does_not_change_results(tiny, results_bs1):
 
 
 def test_cli_dcformer_and_hf_give_identical_numbers(tiny, results_bs1, tmp_path):
-    """`python evals/harness.py run --model dcformer ...` in a subprocess (from another directory) and
+    """`python -m modeling_dcformer.evals.harness run --model dcformer ...` (what `dcformer-eval` runs) in a subprocess (from another directory) and
     `--model hf` through the same command line in-process, on the saved checkpoint: the same numbers, and the
     same as the in-memory model through the Python entry point."""
     _, _, path = tiny
@@ -263,7 +263,7 @@ def test_cli_dcformer_and_hf_give_identical_numbers(tiny, results_bs1, tmp_path)
     out_dc, out_hf = tmp_path / "dcformer", tmp_path / "hf"
     env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": ""}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "evals" / "harness.py"), "run", "--model", "dcformer",
+        [sys.executable, "-m", "modeling_dcformer.evals.harness", "run", "--model", "dcformer",
          "--model_args", f"pretrained={path},dtype=float32", *common, "--output_path", str(out_dc)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
@@ -284,7 +284,7 @@ def test_cli_dcformer_and_hf_give_identical_numbers(tiny, results_bs1, tmp_path)
 def test_hf_on_gpt_neox_matches_dcformer_on_its_conversion(tokenizer, tmp_path):
     """`--model hf` on a (tiny) Pythia-style GPT-NeoX, `--model dcformer` on its DCPythia conversion (which
     computes the same function): the same accuracies, perplexity within the conversion's tolerance."""
-    convert = pytest.importorskip("conversion.pythia_to_dcpythia").convert
+    convert = pytest.importorskip("modeling_dcformer.conversion.pythia_to_dcpythia").convert
     torch.manual_seed(0)
     neox = GPTNeoXForCausalLM(GPTNeoXConfig(
         vocab_size=len(tokenizer), hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=96,

@@ -21,14 +21,14 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
 from conftest import ROOT, TINY, randomize_dyn_w
-from conversion import caiyun_to_hf
-from conversion import pythia_to_dcpythia as p2d
+from modeling_dcformer.conversion import caiyun_to_hf
+from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub
 from released_checkpoint import released_dir
 
 CODE_FILES = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "hub.py", "dcmha.py",
               "dcmha_eager.py", "dcmha_compiled.py", "cache_dcformer.py"}  # no kernel: they stay in the package
-LM_EVAL_RESULTS = {  # the shape of what lm-eval / evals/harness.py write (abridged)
+LM_EVAL_RESULTS = {  # the shape of what lm-eval / dcformer-eval write (abridged)
     "results": {
         "piqa_local": {"alias": "piqa_local", "acc,none": 0.625, "acc_stderr,none": 0.125, "acc_norm,none": 0.5,
                        "acc_norm_stderr,none": "N/A"},
@@ -101,7 +101,6 @@ ISOLATED_SCRIPT = textwrap.dedent(
     """
     import importlib.util, json, sys
     from pathlib import Path
-    sys.path.extend(json.loads(sys.argv[1]))  # the dependencies' directories only: no site hooks, no checkout
     report = {"spec": repr(importlib.util.find_spec("modeling_dcformer"))}
     try:
         import modeling_dcformer  # noqa: F401
@@ -111,7 +110,7 @@ ISOLATED_SCRIPT = textwrap.dedent(
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(1)
-    out = Path(sys.argv[2])
+    out = Path(sys.argv[1])
 
     def run(name, directory):
         model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
@@ -122,7 +121,7 @@ ISOLATED_SCRIPT = textwrap.dedent(
         report[name] = type(model).__module__ + "." + type(model).__name__
         return model
 
-    for name in sys.argv[3:]:
+    for name in sys.argv[2:]:
         model = run(name, str(out / name))
     # a model loaded as remote code saves (and so pushes) the same way, with the copies of the copies
     run("dcformer", str(out / "dcformer")).save_pretrained(out / "resaved", model_card={"overwrite": True})
@@ -135,9 +134,9 @@ ISOLATED_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def isolated(saved):
-    """Runs ISOLATED_SCRIPT once over every saved directory: `python -I -S` (no site hooks, so not the editable
-    install's finder; no PYTHONPATH, no user site, not the checkout) with only the directories holding torch,
-    transformers and their dependencies on sys.path, an empty HF_HOME and offline."""
+    """Runs ISOLATED_SCRIPT once over every saved directory: `python -S -s` (no site hooks, so not the editable
+    install's finder; no user site, not the checkout) with PYTHONPATH holding only the directories of torch,
+    transformers and their dependencies, an empty HF_HOME and offline."""
     root = next(iter(saved.values())).parent
     paths = [
         p for p in sys.path
@@ -146,9 +145,10 @@ def isolated(saved):
     ]
     (root / "isolated.py").write_text(ISOLATED_SCRIPT)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root), "HF_HOME": str(root / "hf_home"),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "PYTHONPATH": os.pathsep.join(paths)}
     proc = subprocess.run(
-        [sys.executable, "-I", "-S", str(root / "isolated.py"), json.dumps(paths), str(root), *saved],
+        [sys.executable, "-S", "-s", str(root / "isolated.py"), str(root), *saved],
         cwd=root, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -152,3 +152,23 @@ def test_tiny_preset_builds_and_runs():
     assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
     generated = model.generate(ids[:, :5], max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert generated.shape == (2, 9)
+
+
+def test_from_preset_loads_each_file_by_name():
+    names = sorted(os.path.basename(p)[: -len(".json")] for p in PRESETS)
+    for name in names:
+        by_name = DCFormerConfig.from_preset(name)
+        assert by_name.to_dict() == load(f"{name}.json").to_dict(), name
+
+
+def test_from_preset_overrides_and_derived_fields_follow():
+    c = DCFormerConfig.from_preset("dcformer-tiny", window_size=None, num_hidden_layers=3)
+    assert c.window_size is None and c.num_hidden_layers == 3 and c.layer_types == ["full_attention"] * 3
+
+
+def test_from_preset_unknown_name_lists_the_presets():
+    with pytest.raises(ValueError) as err:
+        DCFormerConfig.from_preset("dcpythia-7b")
+    message = str(err.value)
+    assert message.startswith("unknown preset 'dcpythia-7b'; the presets are: dcformer-2.8b, dcformer-tiny, ")
+    assert "dcpythia-pythia-12b" in message and "\n" not in message

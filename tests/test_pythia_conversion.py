@@ -1,4 +1,4 @@
-"""conversion/pythia_to_dcpythia.py on tiny random GPT-NeoX checkpoints built here (with a locally trained
+"""modeling_dcformer.conversion.pythia_to_dcpythia (`dcformer-convert-pythia`, from conversion/) on tiny random GPT-NeoX checkpoints built here (with a locally trained
 byte-level BPE tokenizer): exact logits, gradients on every new parameter, trainability, round trip through
 AutoModelForCausalLM, dtypes, the legacy layout, the released-architecture options and the CLI's errors."""
 
@@ -16,11 +16,10 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers import PreTrainedTokenizerFast
 
 import modeling_dcformer  # noqa: F401  (registers "dcformer" with the Auto classes)
-from conversion import pythia_to_dcpythia as p2d
+from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "conversion" / "pythia_to_dcpythia.py"
 TEXTS = [
     "The quick brown fox jumps over the lazy dog, and the dog does not mind at all.",
     "In 1969 Neil Armstrong walked on the Moon; def f(n): return n + 1",
@@ -367,7 +366,7 @@ def test_cli_rejects_bad_sources_and_options(make_source, tmp_path, capsys):
 
 
 def test_script_rejects_a_llama_checkpoint(tmp_path):
-    """Run as a script (the sys.path trick): a LLaMA checkpoint is refused with exit code 2 and a clear message."""
+    """Run as `python -m modeling_dcformer.conversion.pythia_to_dcpythia` (what `dcformer-convert-pythia` runs): a LLaMA checkpoint is refused with exit code 2 and a clear message."""
     llama = LlamaForCausalLM(
         LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     )
@@ -375,7 +374,7 @@ def test_script_rejects_a_llama_checkpoint(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "llama"), str(tmp_path / "dst")],
+        [sys.executable, "-m", "modeling_dcformer.conversion.pythia_to_dcpythia", str(tmp_path / "llama"), str(tmp_path / "dst")],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
     )
     assert result.returncode == 2, result.stderr

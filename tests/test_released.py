@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes: nothing below needs trust_remote_code)
-from conversion import caiyun_to_hf
+from modeling_dcformer.conversion import caiyun_to_hf
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub
 from oracle import gelu_exact, layer_norm, oracle_compose, oracle_dynamic_weights, rms_norm, silu, softmax_last
 from released_checkpoint import (
@@ -535,7 +535,7 @@ def test_incomplete_split_qkv_is_an_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 6. conversion/caiyun_to_hf.py
+# 6. dcformer-convert-released (conversion/caiyun_to_hf.py)
 # ------------------------------------------------------------------------------------------------------------
 def run_cli(capsys, *argv):
     rc = caiyun_to_hf.main([str(a) for a in argv])
@@ -798,7 +798,7 @@ BASELINE_THEN_WHOLE = textwrap.dedent(
     """
     import resource, sys
     from pathlib import Path
-    import torch, transformers, modeling_dcformer, conversion.caiyun_to_hf
+    import torch, transformers, modeling_dcformer, modeling_dcformer.conversion.caiyun_to_hf
     from safetensors.torch import load_file
     print("BASELINE", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     sys.stdout.flush()
@@ -809,8 +809,7 @@ BASELINE_THEN_WHOLE = textwrap.dedent(
 
 
 def python_child(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=ROOT)
 
@@ -835,7 +834,7 @@ def test_converter_streams_shard_by_shard(tmp_path):
     assert len(shard_sizes) == 8 and max(shard_sizes) < 32e6 and total > 180e6, (shard_sizes, total)
 
     dst = tmp_path / "dst"
-    converter = python_child("-c", PEAK_RSS_OF_CHILD, sys.executable, str(ROOT / "conversion" / "caiyun_to_hf.py"),
+    converter = python_child("-c", PEAK_RSS_OF_CHILD, sys.executable, "-m", "modeling_dcformer.conversion.caiyun_to_hf",
                              str(src), str(dst), "--max-shard-size", "24MB")
     # runs alongside (separate process trees, separate measurements)
     reference = python_child("-c", PEAK_RSS_OF_CHILD, sys.executable, "-c", BASELINE_THEN_WHOLE, str(src))

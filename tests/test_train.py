@@ -31,14 +31,11 @@ SCRIPT = EXAMPLES / "train_clm.py"
 TRAIN_TXT = EXAMPLES / "data" / "harbour_train.txt"
 VALID_TXT = EXAMPLES / "data" / "harbour_validation.txt"
 ACCELERATE_DIR = EXAMPLES / "accelerate"
-for _path in (ROOT, EXAMPLES):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
-from tokenizer_utils import build_tiny_tokenizer, read_lines  # noqa: E402
+from tokenizer_utils import build_tiny_tokenizer, read_lines  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
 
-import modeling_dcformer  # noqa: E402,F401
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
+import modeling_dcformer  # noqa: F401
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 
 BLOCK = 32
 TOKENIZER_VOCAB = 384
@@ -149,7 +146,8 @@ def subprocess_env(tmp_path):
         HF_HOME=str(tmp_path / "hf_home"),  # datasets' cache of the local files goes here, not to ~/.cache
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        # the worker processes that run this file import as the tests do (setup.cfg's pytest `pythonpath`)
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLES)]),
         PYTHONUNBUFFERED="1",
         ACCELERATE_DISABLE_RICH="1",
     )
@@ -412,7 +410,7 @@ def test_script_units():
 
     from transformers import GPTNeoXConfig
 
-    with pytest.raises(ValueError, match="pythia_to_dcpythia.py"):
+    with pytest.raises(ValueError, match="dcformer-convert-pythia"):
         script.refuse_non_dcformer(GPTNeoXConfig(), "EleutherAI/pythia-70m")
 
 
@@ -453,7 +451,7 @@ def test_script_cli_end_to_end(tokenizer_dir, tmp_path):
 
 
 def test_script_cli_model_dir_jsonl_and_auto_resume(tokenizer_dir, tmp_path):
-    """Fine-tuning a saved model directory (a DCPythia body as conversion/pythia_to_dcpythia.py writes it: qk-norm
+    """Fine-tuning a saved model directory (a DCPythia body as dcformer-convert-pythia writes it: qk-norm
     off, every layer global) on a .jsonl `text` column with the validation split held out of it; a second run in
     the same output_dir with more steps resumes from the last checkpoint (history kept, global step continued)."""
     from transformers import AutoModelForCausalLM
