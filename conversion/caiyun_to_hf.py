@@ -91,7 +91,7 @@ def convert(
     files = weight_files(src_dir)
     dst_path = Path(dst)
 
-    with atomic_output_dir(dst_path, overwrite) as tmp:
+    with atomic_output_dir(dst_path, overwrite, source=src_dir) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         written: dict[str, torch.dtype] = {}
         split_parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}

@@ -393,6 +393,8 @@ def convert(
         check_repo_id(push_to_hub)
     if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
         raise ValueError(f"--init-scale must be a positive number, got {init_scale!r}")
+    if not (isinstance(tolerance, (int, float)) and tolerance >= 0):  # NaN too: no difference would fail it
+        raise ValueError(f"--tolerance must be a number >= 0, got {tolerance!r}")
     exact = not qk_norm and window_size is None
     is_local = Path(src).is_dir()
     if is_local and revision is not None:
@@ -427,7 +429,7 @@ def convert(
             file=sys.stderr,
         )
 
-    with atomic_output_dir(dst_path, overwrite) as tmp:
+    with atomic_output_dir(dst_path, overwrite, source=src_dir) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         written: dict[str, torch.dtype] = {}
         layer_dtypes: dict[int, torch.dtype] = {}
@@ -495,12 +497,13 @@ def convert(
             config.conversion = {**config.conversion, "max_logit_difference": diff}
             config.save_pretrained(tmp)
             if exact:
-                verdict = "OK" if diff <= tolerance else "FAILED"
+                passed = diff <= tolerance  # False for a NaN difference: a failure, never a pass
+                verdict = "OK" if passed else "FAILED"
                 print(
                     f"verify: max |logit difference| (fp32) on {count} sequences ({how}) = {diff:.3e} "
                     f"(bound {tolerance:.0e}): {verdict}"
                 )
-                if diff > tolerance:
+                if not passed:
                     raise VerificationError(
                         f"the converted model's logits differ from {src}'s by {diff:.3e} > {tolerance:.0e}; "
                         f"nothing was written to {dst_path}"

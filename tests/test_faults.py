@@ -1,0 +1,253 @@
+"""Issue 20: nothing lost, nothing silently wrong under faults and bad input.
+
+Crashes are simulated deterministically: an exception (or a snapshot of the disk, standing for a SIGKILL that runs no
+clean-up) injected at a named step. Every model and tokenizer is built here; nothing is downloaded.
+
+- converters (conversion/common.py): a destination is claimed for the whole run (a second conversion into it fails,
+  another process's files are never deleted), is never the source, is replaced by an atomic swap (a crash at any
+  moment leaves one complete copy), and left-overs of interrupted runs are cleaned up on the next run, saying so;
+  --tolerance nan and a mistyped local path are one-line errors;
+- save_pretrained (modeling_dcformer/hub.py): a file is an error; a failed re-save changes nothing;
+- train_clm.py: divergence stops training without saving a non-finite model; resuming reuses the checkpoint's
+  tokenizer and skips a checkpoint whose write was interrupted; bad training data is a one-line error;
+- evals: a missing model path and a limit of 0 or -1 are one-line errors.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import modeling_dcformer  # noqa: F401  (registers the Auto classes)
+from conversion import caiyun_to_hf, common
+from conversion import pythia_to_dcpythia as p2d
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, hub
+from released_checkpoint import released_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL at the injected step (the test snapshots the disk first: no clean-up would run)."""
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    """Every file under `path` (hidden ones included), by relative name."""
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def crash_snapshot(parent: Path, into: Path) -> Path:
+    """What a SIGKILL at this moment leaves on disk: a copy of `parent` (locks die with the process)."""
+    shutil.copytree(parent, into, symlinks=True)
+    for lock in into.glob(".*.lock"):
+        lock.unlink()
+    return into
+
+
+def convert_released(src, dst, **kwargs):
+    return caiyun_to_hf.convert(str(src), str(dst), **kwargs)
+
+
+@pytest.fixture
+def released(tmp_path):
+    src, _, _ = released_dir(tmp_path, "src")
+    return src
+
+
+@pytest.fixture
+def neox(tmp_path):
+    """A tiny saved GPT-NeoX checkpoint (no tokenizer: verification uses random token ids)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=64, hidden_size=24, num_hidden_layers=1, num_attention_heads=3, intermediate_size=48,
+        max_position_embeddings=160, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    path = tmp_path / "neox"
+    GPTNeoXForCausalLM(config).save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. Two conversions into one folder: the second fails, nothing the run did not create is deleted
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tool", ["caiyun", "pythia"])
+def test_second_conversion_into_the_same_destination_fails(tool, released, neox, tmp_path, monkeypatch):
+    src = released if tool == "caiyun" else neox
+    module = caiyun_to_hf if tool == "caiyun" else p2d
+    run = (lambda s, d: module.convert(str(s), str(d))) if tool == "caiyun" else (
+        lambda s, d: module.convert(str(s), str(d), verify=False))
+    dst = tmp_path / "out"
+    other = []
+    real_shareable = module.write_shareable
+
+    def while_a_runs(directory, *args, **kwargs):  # conversion A is near its end: B starts into the same folder
+        real_shareable(directory, *args, **kwargs)
+        if not other:
+            try:
+                run(src, dst)
+                other.append("B succeeded")
+            except FileExistsError as err:
+                other.append(str(err))
+
+    monkeypatch.setattr(module, "write_shareable", while_a_runs)
+    run(src, dst)  # A
+    assert other and "another conversion" in other[0] and str(dst) in other[0], other
+    assert (dst / "config.json").is_file() and (dst / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no lock or partial left
+
+
+def test_files_another_process_puts_into_the_destination_are_never_deleted(released, tmp_path, monkeypatch):
+    """A destination that was empty when the run started but is filled meanwhile (by anything): kept, error."""
+    dst = tmp_path / "out"
+    real_finish = common.ShardWriter.finish
+
+    def finish(self):
+        names = real_finish(self)
+        dst.mkdir()
+        (dst / "theirs.txt").write_text("someone else's")
+        return names
+
+    monkeypatch.setattr(common.ShardWriter, "finish", finish)
+    with pytest.raises(FileExistsError, match="filled by another process"):
+        convert_released(released, dst)
+    assert tree(dst) == {"theirs.txt": b"someone else's"}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. --overwrite: never the source; an atomic swap
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["same", "inside", "holding"])
+def test_destination_that_is_in_or_around_the_source_is_refused(where, released, tmp_path, capsys):
+    before = tree(released)
+    dst = {"same": released, "inside": released / "out", "holding": tmp_path}[where]
+    code = caiyun_to_hf.main([str(released), str(dst), "--overwrite"])
+    err = capsys.readouterr().err
+    assert code == 2 and "source" in err and "error:" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert tree(released) == before
+
+
+def test_overwrite_swaps_atomically(released, tmp_path, monkeypatch):
+    """--overwrite over an earlier output: a kill just before or just after the exchange of the old and the new
+    output leaves one complete copy at the destination."""
+    dst = tmp_path / "out"
+    convert_released(released, dst)
+    (dst / "old-marker.txt").write_text("old")
+    old = tree(dst)
+    real_exchange = hub._exchange
+    snapshots = {}
+
+    def exchange(a, b):
+        snapshots["before"] = crash_snapshot(tmp_path, tmp_path.parent / f"before-{tmp_path.name}")
+        done = real_exchange(a, b)
+        snapshots["after"] = crash_snapshot(tmp_path, tmp_path.parent / f"after-{tmp_path.name}")
+        return done
+
+    monkeypatch.setattr(hub, "_exchange", exchange)
+    convert_released(released, dst, overwrite=True)
+    new = tree(dst)
+    assert "old-marker.txt" not in new and new.keys() >= {"config.json", "model.safetensors"}
+    assert tree(snapshots["before"] / "out") == old
+    assert tree(snapshots["after"] / "out") == new
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_overwrite_after_a_kill_mid_swap_restores_then_replaces(released, tmp_path, monkeypatch, caplog):
+    dst = tmp_path / "out"
+    convert_released(released, dst)
+    (dst / "old-marker.txt").write_text("old")
+    old = tree(dst)
+    crashed = tmp_path.parent / f"crashed-{tmp_path.name}"
+    monkeypatch.setattr(hub, "_exchange", lambda a, b: False)
+
+    def killed_put_in_place(new, target):
+        crash_snapshot(tmp_path, crashed)
+        raise Killed
+
+    monkeypatch.setattr(hub, "_put_in_place", killed_put_in_place)
+    with pytest.raises(Killed):
+        convert_released(released, dst, overwrite=True)
+    monkeypatch.undo()
+    assert not (crashed / "out").exists() and tree(next(crashed.glob(".out.replaced-*"))) == old
+    assert list(crashed.glob(".out.partial-*"))  # the unfinished new output, hidden
+    with pytest.raises(FileExistsError, match="not empty"):  # next run without --overwrite: restored, refused
+        convert_released(crashed / "src", crashed / "out")
+    assert tree(crashed / "out") == old
+    assert "restored the previous copy" in caplog.text and "interrupted conversion" in caplog.text
+    assert not [p for p in crashed.iterdir() if p.name.startswith(".out.")]
+    convert_released(crashed / "src", crashed / "out", overwrite=True)
+    assert "old-marker.txt" not in tree(crashed / "out")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Left-overs of interrupted runs are removed by the next run, which says so
+# ----------------------------------------------------------------------------------------------------------------
+def test_interrupted_conversion_leftovers_are_cleaned_up_next_run(released, tmp_path, monkeypatch, caplog):
+    dst = tmp_path / "out"
+    crashed = tmp_path.parent / f"crashed-{tmp_path.name}"
+
+    def killed_finish(self):
+        self.flush()
+        crash_snapshot(tmp_path, crashed)
+        raise Killed
+
+    monkeypatch.setattr(common.ShardWriter, "finish", killed_finish)
+    with pytest.raises(Killed):
+        convert_released(released, dst)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # an error: cleaned up at once
+    monkeypatch.undo()
+    (partial,) = crashed.glob(".out.partial-*")  # a kill: the hidden partial output stays...
+    assert any(partial.iterdir())
+    other = crashed / ".other.partial-abc"  # (another destination's: not this run's business)
+    other.mkdir()
+    convert_released(crashed / "src", crashed / "out")  # ...until the next run into the same destination
+    assert not partial.exists() and other.exists()
+    assert f"removed {partial}" in caplog.text and "interrupted conversion" in caplog.text
+    assert (crashed / "out" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 8. A failed verification never writes and never exits 0
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tolerance", ["nan", "-1"])
+def test_tolerance_nan_is_refused(tolerance, neox, tmp_path, capsys):
+    code = p2d.main([str(neox), str(tmp_path / "dst"), "--verify", "--tolerance", tolerance])
+    err = capsys.readouterr().err
+    assert code == 2 and "--tolerance" in err, err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_nan_logit_difference_fails_verification(neox, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(p2d, "max_logit_difference", lambda *a: (float("nan"), 1, "test"))
+    code = p2d.main([str(neox), str(tmp_path / "dst"), "--verify", "--tolerance", "1e-4"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "FAILED" in out and "differ" in err
+    assert not (tmp_path / "dst").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 12. A mistyped local path is one line, not a network traceback
+# ----------------------------------------------------------------------------------------------------------------
+def test_mistyped_source_path_is_one_line(tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    class ConnectError(Exception):  # what the HTTP client raises offline (not an OSError)
+        pass
+
+    def unreachable(self, repo_id, **kwargs):
+        raise ConnectError("[Errno -3] Temporary failure in name resolution\n(and 90 more lines)")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", unreachable)
+    monkeypatch.chdir(tmp_path)
+    for tool in (p2d, caiyun_to_hf):
+        code = tool.main(["my-pythia", str(tmp_path / "dst")])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "'my-pythia'" in err and "no such directory" in err and "Hub id" in err
+    assert not (tmp_path / "dst").exists()
