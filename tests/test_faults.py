@@ -251,3 +251,76 @@ def test_mistyped_source_path_is_one_line(tmp_path, capsys, monkeypatch):
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert "'my-pythia'" in err and "no such directory" in err and "Hub id" in err
     assert not (tmp_path / "dst").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 13. save_pretrained: a file is an error; a re-save that fails (or is killed) changes nothing
+# ----------------------------------------------------------------------------------------------------------------
+def tiny_dcformer(seed=0):
+    torch.manual_seed(seed)
+    config = DCFormerConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    return DCFormerForCausalLM(config)
+
+
+def test_save_pretrained_into_a_file_raises(tmp_path):
+    path = tmp_path / "model"
+    path.write_text("not a directory")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        tiny_dcformer().save_pretrained(path)
+    assert path.read_text() == "not a directory"
+
+
+def test_failed_resave_leaves_the_old_save_whole(tmp_path, monkeypatch):
+    """The weights cannot be written (disk full, permissions...): the directory keeps the old config and weights,
+    and a re-save that succeeds keeps the other files there (tokenizer, subdirectories, the user's README.md)."""
+    path = tmp_path / "model"
+    tiny_dcformer(0).save_pretrained(path)
+    (path / "tokenizer.json").write_text("{}")
+    (path / "README.md").write_text("my own notes")
+    (path / "checkpoint-1").mkdir()
+    (path / "checkpoint-1" / "optimizer.pt").write_bytes(b"state")
+    old = tree(path)
+
+    new_model = tiny_dcformer(1)
+    new_model.config.initializer_range = 0.5  # a visibly different config
+    import transformers.modeling_utils
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.modeling_utils, "safe_save_file", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            new_model.save_pretrained(path)
+    assert tree(path) == old
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary sibling left
+
+    new_model.save_pretrained(path)
+    saved = tree(path)
+    assert json.loads(saved["config.json"])["initializer_range"] == 0.5
+    assert saved["model.safetensors"] != old["model.safetensors"]
+    for kept in ("tokenizer.json", "README.md", "checkpoint-1/optimizer.pt"):
+        assert saved[kept] == old[kept]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_killed_resave_leaves_one_complete_save(tmp_path, monkeypatch):
+    path = tmp_path / "model"
+    tiny_dcformer(0).save_pretrained(path)
+    (path / "tokenizer.json").write_text("{}")
+    old = tree(path)
+    crashed = tmp_path.parent / f"crashed-{tmp_path.name}"
+
+    def killed_exchange(a, b):  # the moment before the new save takes the directory's place
+        crash_snapshot(tmp_path, crashed)
+        raise Killed
+
+    monkeypatch.setattr(hub, "_exchange", killed_exchange)
+    with pytest.raises(Killed):
+        tiny_dcformer(1).save_pretrained(path)
+    assert tree(path) == old and tree(crashed / "model") == old
+    loaded = DCFormerForCausalLM.from_pretrained(crashed / "model")
+    assert torch.equal(loaded.model.embed_tokens.weight, tiny_dcformer(0).model.embed_tokens.weight)
