@@ -324,3 +324,124 @@ def test_killed_resave_leaves_one_complete_save(tmp_path, monkeypatch):
     assert tree(path) == old and tree(crashed / "model") == old
     loaded = DCFormerForCausalLM.from_pretrained(crashed / "model")
     assert torch.equal(loaded.model.embed_tokens.weight, tiny_dcformer(0).model.embed_tokens.weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train_clm.py: 5 divergence, 6 the resumed tokenizer, 9 an interrupted checkpoint, 12 bad training data
+# ----------------------------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+HARBOUR = ROOT / "examples" / "data" / "harbour_train.txt"
+
+
+@pytest.fixture(scope="module")
+def train_clm():
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    spec = importlib.util.spec_from_file_location("train_clm_faults", ROOT / "examples" / "train_clm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_argv(out, train_file, *extra):
+    return [
+        "--config_name", "dcformer-tiny", "--config_overrides", "hidden_size=32,intermediate_size=64",
+        "--new_tokenizer_vocab_size", "300", "--train_file", str(train_file), "--block_size", "32",
+        "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--logging_steps", "1",
+        "--output_dir", str(out), "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
+        "--dataloader_num_workers", "0", "--do_train", "--save_strategy", "steps", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def harbour_lines():
+    return [line for line in HARBOUR.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def test_diverging_training_stops_and_saves_nothing_non_finite(train_clm, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(train_clm.TrainingError, match="diverged") as err:
+        train_clm.main(train_argv(out, HARBOUR, "--learning_rate", "1e6", "--max_steps", "20", "--save_steps", "1"))
+    assert "--learning_rate" in str(err.value)
+    assert not (out / "model.safetensors").exists()
+    from safetensors.torch import load_file
+
+    for checkpoint in out.glob("checkpoint-*"):  # every checkpoint saved before the stop is finite
+        assert all(torch.isfinite(t).all() for t in load_file(checkpoint / "model.safetensors").values())
+
+
+def test_non_finite_final_model_is_not_saved(train_clm, tmp_path, monkeypatch):
+    """What the gradient check cannot see (fp16 loss scaling skips such steps): the final save refuses NaN weights."""
+    monkeypatch.setattr(train_clm.StopOnNonFinite, "on_pre_optimizer_step", lambda self, *a, **k: None)
+    real_check = train_clm.check_finite
+
+    def poisoned(model, what):
+        with torch.no_grad():
+            model.model.norm.weight[0] = float("nan")
+        real_check(model, what)
+
+    monkeypatch.setattr(train_clm, "check_finite", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(train_clm.TrainingError, match="NaN or inf.*model.norm.weight"):
+        train_clm.main(train_argv(out, HARBOUR, "--max_steps", "1", "--save_strategy", "no"))
+    assert not (out / "model.safetensors").exists()
+
+
+def test_resume_reuses_the_checkpoints_tokenizer(train_clm, tmp_path, harbour_lines):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "run"
+    first = tmp_path / "first.txt"
+    first.write_text("\n".join(harbour_lines) + "\n")
+    train_clm.main(train_argv(out, first, "--max_steps", "2", "--save_steps", "2"))
+    vocab = AutoTokenizer.from_pretrained(out / "checkpoint-2").get_vocab()
+    changed = tmp_path / "changed.txt"  # other text: a tokenizer trained on it would differ
+    changed.write_text("\n".join(" ".join(reversed(line.split())) + " zyx qvw 0123" for line in harbour_lines) + "\n")
+    assert AutoTokenizer.from_pretrained(out / "checkpoint-2").get_vocab() == vocab
+    trainer = train_clm.main(train_argv(out, changed, "--max_steps", "3", "--save_steps", "2"))
+    assert trainer.state.global_step == 3
+    assert trainer.processing_class.get_vocab() == vocab
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == vocab
+
+
+def test_resume_skips_a_checkpoint_whose_write_was_killed(train_clm, tmp_path, monkeypatch, caplog):
+    from transformers import TrainerState
+
+    out = tmp_path / "run"
+    real_save = TrainerState.save_to_json
+
+    def killed_at_step_4(self, path):  # trainer_state.json is the last file of a checkpoint
+        if self.global_step == 4:
+            raise Killed
+        real_save(self, path)
+
+    monkeypatch.setattr(TrainerState, "save_to_json", killed_at_step_4)
+    with pytest.raises(Killed):
+        train_clm.main(train_argv(out, HARBOUR, "--max_steps", "6", "--save_steps", "2"))
+    monkeypatch.undo()
+    assert (out / "checkpoint-4").is_dir() and not (out / "checkpoint-4" / "trainer_state.json").exists()
+    trainer = train_clm.main(train_argv(out, HARBOUR, "--max_steps", "6", "--save_steps", "2"))
+    assert trainer.state.global_step == 6
+    assert "checkpoint-4 is incomplete" in caplog.text and "incomplete-checkpoint-4" in caplog.text
+    assert (out / "incomplete-checkpoint-4").is_dir()
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h][:2] == [1, 2]  # continued from step 2
+    with pytest.raises(train_clm.TrainingError, match="incomplete"):
+        train_clm.main(train_argv(out, HARBOUR, "--resume_from_checkpoint", str(out / "incomplete-checkpoint-4")))
+
+
+@pytest.mark.parametrize("case", ["empty", "missing", "tiny", "null-rows"])
+def test_bad_training_data_is_one_line_naming_it(case, train_clm, tmp_path, harbour_lines):
+    data = tmp_path / ("data.jsonl" if case == "null-rows" else "data.txt")
+    if case == "empty":
+        data.write_text("")
+    elif case == "tiny":
+        data.write_text("hello there\n")
+    elif case == "null-rows":
+        rows = [{"text": None if i == 7 else line} for i, line in enumerate(harbour_lines)]
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    expected = {"empty": "is empty", "missing": "no such file", "tiny": "too few rows", "null-rows": "row 7"}[case]
+    with pytest.raises(train_clm.TrainingError, match=expected) as err:
+        train_clm.main(train_argv(tmp_path / "run", data, "--max_steps", "1"))
+    assert str(data) in str(err.value) and "\n" not in str(err.value)
