@@ -445,3 +445,44 @@ def test_bad_training_data_is_one_line_naming_it(case, train_clm, tmp_path, harb
     with pytest.raises(train_clm.TrainingError, match=expected) as err:
         train_clm.main(train_argv(tmp_path / "run", data, "--max_steps", "1"))
     assert str(data) in str(err.value) and "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 12. Evaluation: a missing model path, a limit of 0 or -1 (CLI, Python entry point, the demo)
+# ----------------------------------------------------------------------------------------------------------------
+def test_eval_cli_missing_model_path_is_one_line(tmp_path, capsys, monkeypatch):
+    from evals import harness
+
+    monkeypatch.chdir(tmp_path)
+    code = harness.main(["run", "--model", "dcformer", "--model_args", "pretrained=./no/such/model",
+                         "--tasks", "piqa_local", "--device", "cpu"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines() == [err.strip()], err
+    assert "./no/such/model" in err and "no such directory" in err
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        harness.evaluate(str(tmp_path / "absent"), tasks=["piqa_local"])
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_eval_limit_zero_or_negative_is_one_line(limit, tmp_path, capsys):
+    from evals import harness
+
+    code = harness.main(["run", "--model", "dcformer", "--model_args", f"pretrained={tmp_path}",
+                         "--tasks", "piqa_local", "--device", "cpu", "--limit", limit])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--limit {limit}" in err and "every row" in err
+    with pytest.raises(ValueError, match="every row"):
+        harness.evaluate(tiny_dcformer(), object(), tasks=["piqa_local"], limit=int(limit))
+
+
+def test_demo_negative_limit_is_refused(capsys):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import demo
+
+    assert demo.parse_args(["--limit", "0"]).limit == 0  # the demo's word for every row
+    with pytest.raises(SystemExit) as exit_info:
+        demo.parse_args(["--limit", "-1"])
+    assert exit_info.value.code == 2 and "--limit -1" in capsys.readouterr().err
