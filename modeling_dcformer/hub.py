@@ -495,6 +495,8 @@ def swap_directory(new: str | os.PathLike, target: str | os.PathLike) -> None:
     new, target = Path(new), Path(target)
     if _exchange(new, target):
         shutil.rmtree(new, ignore_errors=True)  # now the old tree; a crash here leaves a hidden stale copy
+        if new.exists():
+            logger.warning(f"could not remove all of the replaced copy of {target} at {new}: delete it")
         return
     backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.replaced-", dir=target.parent))
     _set_aside(target, backup)
@@ -566,16 +568,51 @@ def check_save_directory(save_directory: str | os.PathLike) -> Path:
     return path
 
 
+def _lock_directory(path: Path):
+    """An exclusive lock on the directory `path` itself (POSIX `flock`; it dies with the process), or None where it
+    cannot be had: held by another living process, or not POSIX."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_dead_saves(target: Path) -> None:
+    """Hidden `.NAME.saving-*` siblings whose saving process died (a kill or a crash: no lock held on them any more)
+    are unfinished saves: removed, saying so. A save in progress holds its lock and is left alone."""
+    for stale in target.parent.glob(f".{glob_escape(target.name)}.saving-*"):
+        if stale.is_symlink() or not stale.is_dir():
+            continue
+        fd = _lock_directory(stale)
+        if fd is None:
+            continue
+        try:
+            shutil.rmtree(stale, ignore_errors=True)
+            logger.warning(f"removed {stale}, an unfinished save into {target} left by an interrupted process")
+        finally:
+            os.close(fd)
+
+
 @contextmanager
 def saving_beside(save_directory: str | os.PathLike):
-    """Yields a fresh hidden sibling of `save_directory` (`.NAME.saving-*`) to save into. On success the save takes
-    `save_directory`'s place in one step (`swap_directory`), keeping the other files already there (tokenizer,
-    checkpoints, a README.md not generated here), the old weights excepted; on any failure the sibling is removed
-    and `save_directory` is exactly as it was. So a reader never sees new files beside old ones."""
-    target = check_save_directory(save_directory).absolute()
+    """Yields a fresh hidden sibling of `save_directory` (`.NAME.saving-*`, locked while in use) to save into. On
+    success it takes `save_directory`'s place in one step (`swap_directory`); on any failure it is removed and
+    `save_directory` is exactly as it was. So a reader never sees new files beside old ones. Unfinished saves that
+    interrupted processes left beside `save_directory` are removed first."""
+    target = check_save_directory(save_directory)
+    target = target.resolve() if target.is_symlink() else target.absolute()  # a link: the directory it names
     target.parent.mkdir(parents=True, exist_ok=True)
     restore_replaced(target)
+    _remove_dead_saves(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    lock = _lock_directory(tmp)
     try:
         yield tmp
         if target.is_dir() and any(target.iterdir()):
@@ -585,6 +622,9 @@ def saving_beside(save_directory: str | os.PathLike):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def save_model_directory(model, save_directory, write, *, remote_code=True, model_card=True, **hub_kwargs) -> None:

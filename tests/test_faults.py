@@ -307,7 +307,7 @@ def test_failed_resave_leaves_the_old_save_whole(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
-def test_killed_resave_leaves_one_complete_save(tmp_path, monkeypatch):
+def test_killed_resave_leaves_one_complete_save(tmp_path, monkeypatch, caplog):
     path = tmp_path / "model"
     tiny_dcformer(0).save_pretrained(path)
     (path / "tokenizer.json").write_text("{}")
@@ -324,6 +324,13 @@ def test_killed_resave_leaves_one_complete_save(tmp_path, monkeypatch):
     assert tree(path) == old and tree(crashed / "model") == old
     loaded = DCFormerForCausalLM.from_pretrained(crashed / "model")
     assert torch.equal(loaded.model.embed_tokens.weight, tiny_dcformer(0).model.embed_tokens.weight)
+    monkeypatch.undo()
+    (unfinished,) = crashed.glob(".model.saving-*")  # the killed save's files: removed by the next save, saying so
+    caplog.clear()
+    tiny_dcformer(1).save_pretrained(crashed / "model")
+    assert not unfinished.exists() and [p.name for p in crashed.iterdir()] == ["model"]
+    assert f"removed {unfinished}" in caplog.text
+    assert tree(crashed / "model")["tokenizer.json"] == b"{}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
