@@ -528,7 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="GPT-NeoX checkpoint: local directory or Hub id (e.g. EleutherAI/pythia-410m)")
     parser.add_argument("dst", help="output directory (must be empty or absent unless --overwrite)")
     parser.add_argument("--revision", default=None, help="Hub revision of SRC (e.g. step100000)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty destination (swapped in once the new output is complete: a crash at any moment "
+        "leaves one complete copy; see docs/guarantees.md)",
+    )
     parser.add_argument("--dtype", default=None, help="cast to float32/float16/bfloat16 (default: keep the source's)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     parser.add_argument(

@@ -230,7 +230,13 @@ def save_results(results: dict, path: str | os.PathLike) -> Path:
         path = path / f"results_{datetime.now().isoformat().replace(':', '-')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {k: v for k, v in results.items() if k != "samples"}
-    path.write_text(json.dumps(payload, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    text = json.dumps(payload, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")  # written beside, then renamed: never half a file
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

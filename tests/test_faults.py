@@ -493,3 +493,50 @@ def test_demo_negative_limit_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         demo.parse_args(["--limit", "-1"])
     assert exit_info.value.code == 2 and "--limit -1" in capsys.readouterr().err
+
+
+def test_a_real_sigkill_mid_conversion_is_cleaned_up_by_the_next_run(released, tmp_path, caplog):
+    """The same as the injected kills above, with a real SIGKILL (no clean-up of any kind runs): the lock dies with
+    the process, and the next run removes the unfinished output and converts."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    dst = tmp_path / "out"
+    driver = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+        from conversion import caiyun_to_hf, common
+        real_flush = common.ShardWriter.flush
+        def flush(self):
+            real_flush(self)
+            os.kill(os.getpid(), signal.SIGKILL)  # output shards on disk, lock held
+        common.ShardWriter.flush = flush
+        caiyun_to_hf.convert({str(released)!r}, {str(dst)!r})
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    (partial,) = tmp_path.glob(".out.partial-*")
+    assert any(partial.iterdir()) and not dst.exists()
+    convert_released(released, dst)
+    assert not partial.exists() and f"removed {partial}" in caplog.text
+    assert (dst / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_eval_results_file_is_replaced_whole(tmp_path, monkeypatch):
+    from evals import harness
+
+    path = tmp_path / "results.json"
+    harness.save_results({"results": {"old": {}}}, path)
+    before = path.read_bytes()
+
+    def killed_rename(src, dst):
+        raise Killed
+
+    monkeypatch.setattr(harness.os, "replace", killed_rename)
+    with pytest.raises(Killed):
+        harness.save_results({"results": {"new": {}}}, path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["results.json"]
