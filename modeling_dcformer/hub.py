@@ -640,7 +640,10 @@ def save_model_directory(model, save_directory, write, *, remote_code=True, mode
             token=hub_kwargs.get("token"),
         )
     hub_kwargs.pop("repo_id", None), hub_kwargs.pop("private", None)
-    cwd = Path.cwd()
+    try:
+        cwd = Path.cwd()
+    except OSError:  # the working directory was deleted: nothing to follow
+        cwd = None
     with saving_beside(target) as tmp:
         write(tmp)
         if not (tmp / "config.json").is_file():
@@ -655,7 +658,7 @@ def save_model_directory(model, save_directory, write, *, remote_code=True, mode
             if not options.get("repo_id"):
                 options.setdefault("model_name", target.resolve().name)
         finish_save(model, tmp, remote_code=remote_code, model_card=options)
-    if cwd.is_relative_to(target.absolute()):  # the working directory was inside the replaced tree: follow it
+    if cwd is not None and cwd.is_relative_to(target.absolute()):  # it was inside the replaced tree: follow it
         os.chdir(cwd)
     if repo_id is not None:
         upload_folder(target, repo_id, **hub_kwargs)
