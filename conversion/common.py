@@ -42,9 +42,17 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
         raise FileNotFoundError(f"source directory {src!r} does not exist")
     from huggingface_hub import HfApi, snapshot_download
 
+    from huggingface_hub.utils import logging as hub_logging
+
+    logger.info(f"{src!r} is not a local directory: looking it up on the Hub")
+    verbosity = hub_logging.get_verbosity()
     try:
         # Many repositories carry the same weights twice (.bin and .safetensors): fetch one format only.
-        files = HfApi().list_repo_files(src, revision=revision)
+        hub_logging.set_verbosity_error()  # no "Retrying in 8s" lines for what may be a mistyped local path
+        try:
+            files = HfApi().list_repo_files(src, revision=revision)
+        finally:
+            hub_logging.set_verbosity(verbosity)
         has_safetensors = any(name.endswith(".safetensors") for name in files)
         weights = [p for p in WEIGHT_PATTERNS if ("safetensors" in p) == has_safetensors]
         patterns = ["config.json", *weights, *TOKENIZER_FILES]
