@@ -336,6 +336,7 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
     if builder == "text":
         kwargs["keep_linebreaks"] = data_args.keep_linebreaks
     raw = load_dataset(builder, streaming=data_args.streaming, **kwargs)
+    check_null_texts(raw, data_args, data_files)
     if "validation" not in raw and "train" in raw:
         try:
             raw["validation"] = load_dataset(builder, split=f"train[:{p}%]", **kwargs)
@@ -360,6 +361,25 @@ def check_data_files(data_args: DataTrainingArguments) -> None:
             raise TrainingError(f"--{flag} {path}: no such file")
         if os.path.getsize(path) == 0 or (os.path.getsize(path) < 1 << 20 and not Path(path).read_bytes().strip()):
             raise TrainingError(f"--{flag} {path} is empty: give a file with text (a line an example for .txt)")
+
+
+def check_null_texts(raw, data_args: DataTrainingArguments, data_files: dict) -> None:
+    """A record whose text is null (JSON `null`): one line naming the file and the record, not the tokenizer's
+    TypeError. Counted by Arrow without reading the texts; streamed data is checked while tokenising."""
+    if data_args.streaming:
+        return
+    import pyarrow.compute as pc
+
+    column = text_column(raw, data_args)
+    for split, dataset in raw.items():
+        texts = dataset.data.column(column)
+        if texts.null_count:
+            first = pc.index(pc.is_null(texts), True).as_py()
+            others = f" (and {texts.null_count - 1} more)" if texts.null_count > 1 else ""
+            raise TrainingError(
+                f"--{split}_file {data_files[split]}: record {first + 1} (counting from 1){others} has no text (its "
+                f"{column!r} is null): drop or fill such records"
+            )
 
 
 def pick_block_size(data_args: DataTrainingArguments, tokenizer, config) -> int:
@@ -396,8 +416,8 @@ def tokenize_and_pack(raw, data_args, training_args, tokenizer, block_size):
         if missing:
             source = data_args.train_file or data_args.validation_file or data_args.dataset_name
             raise TrainingError(
-                f"{source}: row {indices[missing[0]]} of a split has no text (column {column!r} is "
-                f"{examples[column][missing[0]]!r}): drop or fill such rows"
+                f"{source}: record {indices[missing[0]] + 1} of a streamed split has no text (its {column!r} is "
+                f"{examples[column][missing[0]]!r}): drop or fill such records"
             )
         level = tok_logger.level
         tok_logger.setLevel(logging.ERROR)  # long texts are split into blocks below: no length warning

@@ -358,7 +358,8 @@ def train_argv(out, train_file, *extra):
         "--new_tokenizer_vocab_size", "300", "--train_file", str(train_file), "--block_size", "32",
         "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--logging_steps", "1",
         "--output_dir", str(out), "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-        "--dataloader_num_workers", "0", "--do_train", "--save_strategy", "steps", *extra,
+        "--dataloader_num_workers", "0", "--do_train", "--save_strategy", "steps",
+        "--cache_dir", str(Path(out).parent / "datasets-cache"), *extra,
     ]  # fmt: skip
 
 
@@ -448,7 +449,7 @@ def test_bad_training_data_is_one_line_naming_it(case, train_clm, tmp_path, harb
     elif case == "null-rows":
         rows = [{"text": None if i == 7 else line} for i, line in enumerate(harbour_lines)]
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    expected = {"empty": "is empty", "missing": "no such file", "tiny": "too few rows", "null-rows": "row 7"}[case]
+    expected = {"empty": "is empty", "missing": "no such file", "tiny": "too few rows", "null-rows": "record 8 "}[case]
     with pytest.raises(train_clm.TrainingError, match=expected) as err:
         train_clm.main(train_argv(tmp_path / "run", data, "--max_steps", "1"))
     assert str(data) in str(err.value) and "\n" not in str(err.value)
