@@ -44,25 +44,31 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
 
     from huggingface_hub.utils import logging as hub_logging
 
+    def one_line(err: Exception) -> str:
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        return f"{type(err).__name__}: {reason}" if reason else type(err).__name__
+
     logger.info(f"{src!r} is not a local directory: looking it up on the Hub")
     verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # no "Retrying in 8s" lines for what may be a mistyped local path
     try:
         # Many repositories carry the same weights twice (.bin and .safetensors): fetch one format only.
-        hub_logging.set_verbosity_error()  # no "Retrying in 8s" lines for what may be a mistyped local path
-        try:
-            files = HfApi().list_repo_files(src, revision=revision)
-        finally:
-            hub_logging.set_verbosity(verbosity)
-        has_safetensors = any(name.endswith(".safetensors") for name in files)
-        weights = [p for p in WEIGHT_PATTERNS if ("safetensors" in p) == has_safetensors]
+        files = HfApi().list_repo_files(src, revision=revision)
+    except Exception as err:  # a mistyped local path reads as a Hub id: one line, not the HTTP client's traceback
+        at = f" at revision {revision!r}" if revision else ""
+        raise FileNotFoundError(
+            f"source {src!r}: no such directory, and not reachable as a Hub id{at} ({one_line(err)}); check the "
+            "path, or the id and your network"
+        ) from None
+    finally:
+        hub_logging.set_verbosity(verbosity)
+    has_safetensors = any(name.endswith(".safetensors") for name in files)
+    weights = [p for p in WEIGHT_PATTERNS if ("safetensors" in p) == has_safetensors]
+    try:
         patterns = ["config.json", *weights, *TOKENIZER_FILES]
         return Path(snapshot_download(src, revision=revision, allow_patterns=patterns))
-    except Exception as err:  # a mistyped local path reads as a Hub id: one line, not the HTTP client's traceback
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise FileNotFoundError(
-            f"source {src!r}: no such directory, and not reachable as a Hub id{f' (revision {revision})' if revision else ''}"
-            f" ({type(err).__name__}{': ' + reason[:200] if reason else ''}); check the path, or the id and your network"
-        ) from None
+    except Exception as err:
+        raise OSError(f"downloading {src!r} from the Hub failed ({one_line(err)}); run again to resume it") from None
 
 
 def read_config(src: Path) -> dict:

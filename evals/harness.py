@@ -135,7 +135,9 @@ def check_model_path(pretrained) -> None:
     if path.exists() and not path.is_dir():
         raise FileNotFoundError(f"model {name!r} is a file: give the model's directory (config.json and weights)")
     if not path.exists() and not is_hub_id(name):
-        raise FileNotFoundError(f"model {name!r}: no such directory, and not a Hub id ('namespace/name'): check the path")
+        raise FileNotFoundError(
+            f"model {name!r}: no such directory, and not a Hub id ('namespace/name'): check the path"
+        )
 
 
 def evaluate(

@@ -529,7 +529,8 @@ def glob_escape(name: str) -> str:
 
 # Weight files of an earlier save: never carried into a new save (they are what it replaces).
 _WEIGHT_FILE = re.compile(
-    r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)$|^(model\.safetensors|pytorch_model\.bin)\.index\.json$"
+    r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)$"
+    r"|^(model\.safetensors|pytorch_model\.bin)\.index\.json$"
 )
 _WRITTEN_BY_FINISH = ("README.md",)  # rewritten in place by finish_save: copied, never hard-linked
 
