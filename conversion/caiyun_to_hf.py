@@ -88,7 +88,7 @@ def convert(
     files = weight_files(src_dir)
     dst_path = Path(dst)
 
-    with atomic_output_dir(dst_path, overwrite) as tmp:
+    with atomic_output_dir(dst_path, overwrite, source=src_dir) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         written: dict[str, torch.dtype] = {}
         split_parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
@@ -153,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", help="released checkpoint: local directory or Hub id (e.g. Caiyun-AI/DCPythia-6.9B)")
     parser.add_argument("dst", help="output directory (must be empty or absent unless --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty destination (swapped in once the new output is complete: a crash at any moment "
+        "leaves one complete copy; see docs/guarantees.md)",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     parser.add_argument("--dtype", default=None, help="cast to float32/float16/bfloat16 (default: keep)")
     parser.add_argument("--revision", default=None, help="Hub revision of SRC")

@@ -1,6 +1,7 @@
 """Pieces shared by the converters: finding a source checkpoint, reading it shard by shard, writing
 safetensors shards, and producing the output directory atomically (all or nothing)."""
 
+import errno
 import json
 import os
 import re
@@ -13,6 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers.utils import logging
+
+logger = logging.get_logger("dcformer.conversion")
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -38,11 +42,33 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
         raise FileNotFoundError(f"source directory {src!r} does not exist")
     from huggingface_hub import HfApi, snapshot_download
 
-    # Many repositories carry the same weights twice (.bin and .safetensors): fetch one format only.
-    files = HfApi().list_repo_files(src, revision=revision)
+    from huggingface_hub.utils import logging as hub_logging
+
+    def one_line(err: Exception) -> str:
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        return f"{type(err).__name__}: {reason}" if reason else type(err).__name__
+
+    logger.info(f"{src!r} is not a local directory: looking it up on the Hub")
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # no "Retrying in 8s" lines for what may be a mistyped local path
+    try:
+        # Many repositories carry the same weights twice (.bin and .safetensors): fetch one format only.
+        files = HfApi().list_repo_files(src, revision=revision)
+    except Exception as err:  # a mistyped local path reads as a Hub id: one line, not the HTTP client's traceback
+        at = f" at revision {revision!r}" if revision else ""
+        raise FileNotFoundError(
+            f"source {src!r}: no such directory, and not reachable as a Hub id{at} ({one_line(err)}); check the "
+            "path, or the id and your network"
+        ) from None
+    finally:
+        hub_logging.set_verbosity(verbosity)
     has_safetensors = any(name.endswith(".safetensors") for name in files)
     weights = [p for p in WEIGHT_PATTERNS if ("safetensors" in p) == has_safetensors]
-    return Path(snapshot_download(src, revision=revision, allow_patterns=["config.json", *weights, *TOKENIZER_FILES]))
+    try:
+        patterns = ["config.json", *weights, *TOKENIZER_FILES]
+        return Path(snapshot_download(src, revision=revision, allow_patterns=patterns))
+    except Exception as err:
+        raise OSError(f"downloading {src!r} from the Hub failed ({one_line(err)}); run again to resume it") from None
 
 
 def read_config(src: Path) -> dict:
@@ -150,22 +176,137 @@ def check_destination(dst: Path, overwrite: bool) -> None:
         raise FileExistsError(f"destination {dst} is not empty; pass --overwrite to replace its contents")
 
 
+def check_not_source(dst: Path, source: Path | None) -> None:
+    """Refuse a destination that is the source, inside it, or holding it: replacing it would delete the source."""
+    if source is None:
+        return
+    d, s = Path(dst).resolve(), Path(source).resolve()
+    if d == s:
+        raise ValueError(f"destination {dst} is the source checkpoint itself: choose another output directory")
+    if s in d.parents:
+        raise ValueError(f"destination {dst} is inside the source checkpoint {source}: choose a directory outside it")
+    if d in s.parents:
+        raise ValueError(f"destination {dst} contains the source checkpoint {source}: choose another output directory")
+
+
 @contextmanager
-def atomic_output_dir(dst: Path, overwrite: bool = False):
-    """Yields a temporary directory beside `dst`; on success it replaces `dst`, on failure it is removed,
-    so `dst` is either the complete result or untouched."""
-    dst = Path(dst)
-    check_destination(dst, overwrite)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+def claim_destination(dst: Path):
+    """Hold an exclusive lock (`.NAME.lock` beside `dst`) for as long as this process writes `dst`: a second
+    conversion into the same destination fails at once instead of racing this one. The lock dies with the
+    process (a crash never leaves it held) and its file is removed when done."""
+    lock_path = dst.parent / f".{dst.name}.lock"
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        import fcntl
+    except ImportError:  # not POSIX: the lock library transformers already depends on
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(str(lock_path), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise FileExistsError(
+                f"another conversion is writing {dst} (lock {lock_path}): wait for it or choose another destination"
+            ) from None
+        try:
+            yield
+        finally:
+            lock.release()
+        return
+    for _ in range(10):
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            raise FileExistsError(
+                f"another conversion{f' (process {holder})' if holder else ''} is writing {dst}: wait for it to "
+                "finish or choose another destination"
+            ) from None
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the previous holder removed the file between our open and our lock: take the new one
+    else:
+        raise FileExistsError(f"cannot lock {lock_path}: other conversions keep taking it")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        try:
+            os.unlink(lock_path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def clean_stale_siblings(dst: Path) -> list[Path]:
+    """Once `dst` is claimed, the hidden siblings of earlier runs into it are left-overs of a crash or a kill:
+    a replaced old copy is put back if `dst` is missing (see `swap_directory`), and the `.NAME.partial-*` and
+    `.NAME.replaced-*` directories (unfinished outputs, superseded copies) are removed. Says what it did."""
+    from modeling_dcformer.hub import glob_escape, restore_replaced
+
+    restore_replaced(dst)  # logs what it restored
+    removed = []
+    for kind in ("partial", "replaced"):
+        for stale in sorted(dst.parent.glob(f".{glob_escape(dst.name)}.{kind}-*")):
+            if stale.is_dir() and not stale.is_symlink():
+                size = sum(f.stat().st_size for f in stale.rglob("*") if f.is_file() and not f.is_symlink())
+                shutil.rmtree(stale)
+                removed.append(stale)
+                logger.warning(
+                    f"removed {stale} ({size / 1e6:.1f} MB), left behind by an interrupted conversion into {dst}"
+                )
+    return removed
+
+
+def install_output(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Put the finished `tmp` at `dst` without ever deleting what this run did not create: an absent or empty
+    `dst` is taken by one rename (which fails if another process filled it meanwhile); with `overwrite` an existing
+    one is swapped atomically (`swap_directory`), so a crash at any moment leaves one complete copy."""
+    from modeling_dcformer.hub import swap_directory
+
+    if overwrite and dst.is_dir() and any(dst.iterdir()):
+        swap_directory(tmp, dst)
+        return
+    try:
+        os.rename(tmp, dst)  # POSIX: replaces an empty directory only
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise FileExistsError(
+                f"destination {dst} was filled by another process during the conversion: left as it is, the "
+                "result was discarded; run again (with --overwrite to replace it) or choose another destination"
+            ) from None
         raise
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(tmp, dst)
+
+
+@contextmanager
+def atomic_output_dir(dst: Path, overwrite: bool = False, source: Path | None = None):
+    """Yields a temporary directory beside `dst`; on success it takes `dst`'s place (`install_output`), on failure
+    it is removed, so `dst` is either the complete result or untouched. `dst` is claimed for the whole run
+    (`claim_destination`), and may not be, hold or lie inside `source`; left-overs of earlier interrupted runs
+    into `dst` are cleaned up first (`clean_stale_siblings`)."""
+    dst = Path(dst)
+    check_not_source(dst, source)
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"destination {dst} exists and is not a directory")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with claim_destination(dst):
+        clean_stale_siblings(dst)
+        check_destination(dst, overwrite)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+        try:
+            yield tmp
+            install_output(tmp, dst, overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:

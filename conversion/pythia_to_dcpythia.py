@@ -391,6 +391,8 @@ def convert(
         check_repo_id(push_to_hub)
     if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
         raise ValueError(f"--init-scale must be a positive number, got {init_scale!r}")
+    if not (isinstance(tolerance, (int, float)) and tolerance >= 0):  # NaN too: no difference would fail it
+        raise ValueError(f"--tolerance must be a number >= 0, got {tolerance!r}")
     exact = not qk_norm and window_size is None
     is_local = Path(src).is_dir()
     if is_local and revision is not None:
@@ -425,7 +427,7 @@ def convert(
             file=sys.stderr,
         )
 
-    with atomic_output_dir(dst_path, overwrite) as tmp:
+    with atomic_output_dir(dst_path, overwrite, source=src_dir) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         written: dict[str, torch.dtype] = {}
         layer_dtypes: dict[int, torch.dtype] = {}
@@ -493,12 +495,13 @@ def convert(
             config.conversion = {**config.conversion, "max_logit_difference": diff}
             config.save_pretrained(tmp)
             if exact:
-                verdict = "OK" if diff <= tolerance else "FAILED"
+                passed = diff <= tolerance  # False for a NaN difference: a failure, never a pass
+                verdict = "OK" if passed else "FAILED"
                 print(
                     f"verify: max |logit difference| (fp32) on {count} sequences ({how}) = {diff:.3e} "
                     f"(bound {tolerance:.0e}): {verdict}"
                 )
-                if diff > tolerance:
+                if not passed:
                     raise VerificationError(
                         f"the converted model's logits differ from {src}'s by {diff:.3e} > {tolerance:.0e}; "
                         f"nothing was written to {dst_path}"
@@ -523,7 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="GPT-NeoX checkpoint: local directory or Hub id (e.g. EleutherAI/pythia-410m)")
     parser.add_argument("dst", help="output directory (must be empty or absent unless --overwrite)")
     parser.add_argument("--revision", default=None, help="Hub revision of SRC (e.g. step100000)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty destination (swapped in once the new output is complete: a crash at any moment "
+        "leaves one complete copy; see docs/guarantees.md)",
+    )
     parser.add_argument("--dtype", default=None, help="cast to float32/float16/bfloat16 (default: keep the source's)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     parser.add_argument(

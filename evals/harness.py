@@ -100,6 +100,37 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_limit(limit) -> None:
+    """lm-eval's limit is a number of rows (>= 1) or a fraction in (0, 1); 0 and negatives would reach its
+    internals. (examples/demo.py's `--limit 0` means every row: here, leave the limit out.)"""
+    if limit is None:
+        return
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+        shown = f"{limit:g}" if isinstance(limit, (int, float)) else repr(limit)
+        hint = " would score no row" if limit == 0 else " is not a number of rows"
+        raise ValueError(
+            f"--limit {shown}{hint}: give a number of rows a task (e.g. 100) or a fraction (e.g. 0.1), or leave "
+            "--limit out to score every row"
+        )
+
+
+def check_model_path(pretrained) -> None:
+    """A model given by name must be an existing directory or a Hub id: otherwise lm-eval reports "Repo id must be
+    in the form..." from deep inside the Hub client."""
+    if not isinstance(pretrained, (str, os.PathLike)):
+        return
+    from modeling_dcformer.hub import is_hub_id
+
+    name = os.fspath(pretrained)
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir():
+        raise FileNotFoundError(f"model {name!r} is a file: give the model's directory (config.json and weights)")
+    if not path.exists() and not is_hub_id(name):
+        raise FileNotFoundError(
+            f"model {name!r}: no such directory, and not a Hub id ('namespace/name'): check the path"
+        )
+
+
 def evaluate(
     model,
     tokenizer=None,
@@ -137,6 +168,9 @@ def evaluate(
     from . import dcformer_lm
 
     dcformer_lm.register()
+    check_limit(limit)
+    if not isinstance(model, LM):
+        check_model_path(model)
     task_list = _flatten_task_names(tasks)
     evaluate_params = set(inspect.signature(lm_eval.simple_evaluate).parameters) - {"model", "model_args", "tasks"}
     eval_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in evaluate_params}
@@ -189,7 +223,13 @@ def save_results(results: dict, path: str | os.PathLike) -> Path:
         path = path / f"results_{datetime.now().isoformat().replace(':', '-')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {k: v for k, v in results.items() if k != "samples"}
-    path.write_text(json.dumps(payload, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    text = json.dumps(payload, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")  # written beside, then renamed: never half a file
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -232,6 +272,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging()
         parser = HarnessCLI()  # reads sys.argv; inserts `run` when no subcommand is given, as lm-eval does
         args = parser.parse_args()
+        if getattr(args, "command", None) == "run":
+            try:
+                check_limit(getattr(args, "limit", None))
+                check_model_path((getattr(args, "model_args", None) or {}).get("pretrained"))
+            except (ValueError, OSError) as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
         local_only = getattr(args, "command", None) == "run" and _only_local(
             getattr(args, "tasks", None), getattr(args, "include_path", None)
         )

@@ -530,6 +530,8 @@ def parse_args(argv=None):
         args.train_file = args.validation_file = None
     if args.train_steps < 1:
         p.error("--train-steps must be at least 1")
+    if args.limit < 0:
+        p.error(f"--limit {args.limit}: give a number of rows a task, or 0 for every row")
     return args
 
 

@@ -41,11 +41,12 @@ from transformers import (
     AutoTokenizer,
     HfArgumentParser,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import sort_checkpoints
 from transformers.utils import logging as hf_logging
 
 import modeling_dcformer  # noqa: F401  (registers "dcformer"/"dcpythia" with the Auto classes; before loading)
@@ -56,6 +57,10 @@ logger = hf_logging.get_logger("dcformer.train_clm")
 
 PRESET_DIR = Path(modeling_dcformer.configuration.__file__).parent  # the presets, installed with the package
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TrainingError(ValueError):
+    """Bad input or a run that went wrong, said in one line (the script prints it as `error: ...`, exit code 2)."""
 
 
 @dataclass
@@ -241,7 +246,17 @@ def apply_config_overrides(config, overrides: str):
     return type(config).from_dict(config_dict)
 
 
-def load_tokenizer(model_args: ModelArguments, training_texts):
+def load_tokenizer(model_args: ModelArguments, training_texts, resume_from: str | None = None):
+    if model_args.new_tokenizer_vocab_size and resume_from is not None:
+        # The checkpoint's weights belong to its token ids: a tokenizer retrained on (maybe changed) text would not.
+        if not any(Path(resume_from, name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise TrainingError(
+                f"cannot resume from {resume_from}: it holds no tokenizer, and a new one trained now "
+                "(--new_tokenizer_vocab_size) would give its weights other token ids; pass --tokenizer_name DIR "
+                "with the tokenizer it was trained with, or --overwrite_output_dir to start afresh"
+            )
+        logger.info(f"resuming: the tokenizer of {resume_from} (not a newly trained one)")
+        return AutoTokenizer.from_pretrained(resume_from)
     if model_args.new_tokenizer_vocab_size:
         from tokenizer_utils import build_tiny_tokenizer
 
@@ -305,6 +320,7 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
                 data_args.dataset_name, data_args.dataset_config_name, split=f"train[{p}%:]", **kwargs
             )
         return raw
+    check_data_files(data_args)
     data_files = {}
     if data_args.train_file is not None:
         data_files["train"] = data_args.train_file
@@ -316,10 +332,50 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
     if builder == "text":
         kwargs["keep_linebreaks"] = data_args.keep_linebreaks
     raw = load_dataset(builder, streaming=data_args.streaming, **kwargs)
+    check_null_texts(raw, data_args, data_files)
     if "validation" not in raw and "train" in raw:
-        raw["validation"] = load_dataset(builder, split=f"train[:{p}%]", **kwargs)
-        raw["train"] = load_dataset(builder, split=f"train[{p}%:]", **kwargs)
+        try:
+            raw["validation"] = load_dataset(builder, split=f"train[:{p}%]", **kwargs)
+            raw["train"] = load_dataset(builder, split=f"train[{p}%:]", **kwargs)
+        except ValueError as err:
+            if "corresponds to no data" not in str(err):
+                raise
+            raise TrainingError(
+                f"--train_file {data_args.train_file} has too few rows ({len(raw['train'])}) to hold out "
+                f"{p}% for validation: give a --validation_file, more text, or a larger --validation_split_percentage"
+            ) from None
     return raw
+
+
+def check_data_files(data_args: DataTrainingArguments) -> None:
+    """A missing or empty data file: one line naming it (not the datasets library's generation error)."""
+    for flag in ("train_file", "validation_file"):
+        path = getattr(data_args, flag)
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            raise TrainingError(f"--{flag} {path}: no such file")
+        if os.path.getsize(path) == 0 or (os.path.getsize(path) < 1 << 20 and not Path(path).read_bytes().strip()):
+            raise TrainingError(f"--{flag} {path} is empty: give a file with text (a line an example for .txt)")
+
+
+def check_null_texts(raw, data_args: DataTrainingArguments, data_files: dict) -> None:
+    """A record whose text is null (JSON `null`): one line naming the file and the record, not the tokenizer's
+    TypeError. Counted by Arrow without reading the texts; streamed data is checked while tokenising."""
+    if data_args.streaming:
+        return
+    import pyarrow.compute as pc
+
+    column = text_column(raw, data_args)
+    for split, dataset in raw.items():
+        texts = dataset.data.column(column)
+        if texts.null_count:
+            first = pc.index(pc.is_null(texts), True).as_py()
+            others = f" (and {texts.null_count - 1} more)" if texts.null_count > 1 else ""
+            raise TrainingError(
+                f"--{split}_file {data_files[split]}: record {first + 1} (counting from 1){others} has no text (its "
+                f"{column!r} is null): drop or fill such records"
+            )
 
 
 def pick_block_size(data_args: DataTrainingArguments, tokenizer, config) -> int:
@@ -351,7 +407,14 @@ def tokenize_and_pack(raw, data_args, training_args, tokenizer, block_size):
         raise ValueError("--append_eos needs a tokenizer with an eos token")
     tok_logger = hf_logging.get_logger("transformers.tokenization_utils_base")
 
-    def tokenize(examples):
+    def tokenize(examples, indices):
+        missing = [i for i, text in enumerate(examples[column]) if not isinstance(text, str)]
+        if missing:
+            source = data_args.train_file or data_args.validation_file or data_args.dataset_name
+            raise TrainingError(
+                f"{source}: record {indices[missing[0]] + 1} of a streamed split has no text (its {column!r} is "
+                f"{examples[column][missing[0]]!r}): drop or fill such records"
+            )
         level = tok_logger.level
         tok_logger.setLevel(logging.ERROR)  # long texts are split into blocks below: no length warning
         try:
@@ -378,7 +441,9 @@ def tokenize_and_pack(raw, data_args, training_args, tokenizer, block_size):
         )
 
     with training_args.main_process_first(desc="tokenisation"):
-        tokenized = raw.map(tokenize, batched=True, remove_columns=column_names, **map_kwargs("Tokenising"))
+        tokenized = raw.map(
+            tokenize, batched=True, with_indices=True, remove_columns=column_names, **map_kwargs("Tokenising")
+        )
     with training_args.main_process_first(desc="packing into blocks"):
         packed = tokenized.map(group_texts, batched=True, **map_kwargs(f"Packing into blocks of {block_size}"))
     return packed
@@ -390,6 +455,101 @@ def limit(dataset, n, streaming):
     if streaming:
         return dataset.take(n)
     return dataset.select(range(min(len(dataset), n)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints and divergence
+# ----------------------------------------------------------------------------------------------------------------
+def is_complete_checkpoint(path) -> bool:
+    """Trainer writes a checkpoint's `trainer_state.json` last (after the model, optimizer, scheduler and RNG
+    states): a checkpoint without a readable one was interrupted while being written."""
+    try:
+        json.loads(Path(path, "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def newest_complete_checkpoint(output_dir, set_aside: bool = False) -> str | None:
+    """The newest checkpoint of `output_dir` whose write finished, warning about each newer, incomplete one; with
+    `set_aside` (the main process) those are renamed `incomplete-checkpoint-N`, so that Trainer neither picks them
+    nor keeps them instead of complete ones when it rotates checkpoints (--save_total_limit)."""
+    for checkpoint in reversed(sort_checkpoints(output_dir)):  # newest first (by step)
+        if is_complete_checkpoint(checkpoint):
+            return checkpoint
+        aside = Path(output_dir) / f"incomplete-{Path(checkpoint).name}"
+        note = f"{checkpoint} is incomplete (no readable trainer_state.json: its write was interrupted)"
+        if set_aside and not aside.exists():
+            os.replace(checkpoint, aside)
+            note += f"; renamed {aside.name}"
+        logger.warning(f"{note}; resuming from an earlier checkpoint if there is one")
+    return None
+
+
+def resume_checkpoint(training_args, data_args) -> str | None:
+    """The checkpoint this run resumes from: --resume_from_checkpoint (a path, or true/last for the newest), else
+    the newest in --output_dir unless --overwrite_output_dir; only a complete one (see `newest_complete_checkpoint`)."""
+    requested = training_args.resume_from_checkpoint
+    if not training_args.do_train:
+        return None
+    set_aside = training_args.process_index == 0
+    if isinstance(requested, str) and requested.lower() not in ("true", "last"):
+        if not os.path.isdir(requested):
+            raise TrainingError(f"--resume_from_checkpoint {requested}: no such checkpoint directory")
+        if not is_complete_checkpoint(requested):
+            raise TrainingError(
+                f"--resume_from_checkpoint {requested} is incomplete (no readable trainer_state.json: its write was "
+                "interrupted): pass an earlier checkpoint, or 'last' for the newest complete one"
+            )
+        return requested
+    if requested is not None or (os.path.isdir(training_args.output_dir) and not data_args.overwrite_output_dir):
+        found = newest_complete_checkpoint(training_args.output_dir, set_aside) if os.path.isdir(
+            training_args.output_dir) else None
+        if found is None and requested is not None:
+            raise TrainingError(f"--resume_from_checkpoint {requested}: no complete checkpoint in "
+                                f"{training_args.output_dir}")
+        if found is not None and requested is None:
+            logger.warning(f"checkpoint found, resuming from {found} (--overwrite_output_dir: start afresh)")
+        return found
+    return None
+
+
+class StopOnNonFinite(TrainerCallback):
+    """Stops training with a clear error at the first optimizer step whose gradients hold NaN or inf (the run
+    diverged; the loss is then NaN too, although Trainer logs NaN losses as the running mean, e.g. 0): before the
+    step is applied, so neither the weights nor any later checkpoint become non-finite. Under fp16 loss scaling the
+    scaler skips overflowing steps itself; the final save is then guarded by `check_finite`."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is None or getattr(self.trainer.accelerator, "scaler", None) is not None:
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:  # DeepSpeed keeps them to itself
+            return
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2: this process's shards
+        norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False).float()
+        bad = (~torch.isfinite(norm)).float()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)  # every process stops together
+        if bad.item():
+            raise TrainingError(
+                f"training diverged at step {state.global_step + 1}: the gradient norm is {norm.item()}; stopped "
+                f"before the step was applied, nothing of it was saved. Lower "
+                f"--learning_rate (now {args.learning_rate:g}), keep --max_grad_norm on, or resume from a checkpoint"
+            )
+
+
+def check_finite(model, what: str) -> None:
+    """A model with NaN or inf weights is never saved as the result of the run."""
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise TrainingError(
+            f"not saving {what}: {len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}); training diverged: "
+            "lower --learning_rate and train again (checkpoints written before, if any, are kept)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -440,12 +600,8 @@ def main(argv=None):
         )
     logger.info(f"training parameters {training_args}")
 
-    # A previous run in output_dir is resumed unless asked otherwise.
-    last_checkpoint = None
-    if os.path.isdir(training_args.output_dir) and training_args.do_train and not data_args.overwrite_output_dir:
-        last_checkpoint = get_last_checkpoint(training_args.output_dir)
-        if last_checkpoint is not None and training_args.resume_from_checkpoint is None:
-            logger.warning(f"checkpoint found, resuming from {last_checkpoint} (--overwrite_output_dir: start afresh)")
+    # A previous run in output_dir is resumed unless asked otherwise (from its newest complete checkpoint).
+    resume_from = resume_checkpoint(training_args, data_args)
 
     set_seed(training_args.seed)
 
@@ -458,7 +614,7 @@ def main(argv=None):
         for example in split:
             yield example[column]
 
-    tokenizer = load_tokenizer(model_args, training_texts)
+    tokenizer = load_tokenizer(model_args, training_texts, resume_from)
     model = build_model(model_args, config, tokenizer)
     block_size = pick_block_size(data_args, tokenizer, model.config)
     packed = tokenize_and_pack(raw, data_args, training_args, tokenizer, block_size)
@@ -488,6 +644,7 @@ def main(argv=None):
         processing_class=tokenizer,
         data_collator=default_data_collator,  # blocks are all block_size long: no padding
     )
+    trainer.add_callback(StopOnNonFinite(trainer))
 
     fsdp_requested = bool(training_args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if fsdp_requested and not trainer.is_fsdp_enabled:
@@ -497,16 +654,12 @@ def main(argv=None):
         )
 
     if training_args.do_train:
-        checkpoint = training_args.resume_from_checkpoint
-        if isinstance(checkpoint, str) and checkpoint.lower() in ("true", "last"):
-            checkpoint = True  # the last checkpoint in output_dir
-        elif checkpoint is None:
-            checkpoint = last_checkpoint
-        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        train_result = trainer.train(resume_from_checkpoint=resume_from)
         # A model that generates: Trainer turns the cache off (TrainingArguments.use_cache) while training.
         trainer.model.config.use_cache = True
         if trainer.is_fsdp_enabled:  # sharded checkpoints while training, one loadable model at the end
             trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+        check_finite(trainer.model, f"the final model to {training_args.output_dir}")
         trainer.save_model()  # model (safetensors, config) and tokenizer
         metrics = train_result.metrics
         if not data_args.streaming:
@@ -537,4 +690,8 @@ def _mp_fn(index):  # for xla_spawn (TPUs)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TrainingError as err:  # bad input or a diverged run: one line, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -13,11 +13,14 @@ This file travels with the model as remote code too (it imports only the standar
 `transformers`), so that a model loaded with `trust_remote_code=True` saves and pushes the same way.
 """
 
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers.dynamic_module_utils import get_relative_import_files
@@ -448,6 +451,219 @@ def finish_save(
         upload_folder(save_directory, repo_id, token=token, **upload_kwargs)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Saving without ever leaving a half-written directory: write beside, then swap
+# ----------------------------------------------------------------------------------------------------------------
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange the two existing paths `a` and `b` (Linux `renameat2(RENAME_EXCHANGE)`): at every moment
+    each name holds one complete tree. False where the system or the file system cannot (then nothing happened)."""
+    try:
+        import ctypes
+
+        renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    except (OSError, AttributeError, TypeError):
+        return False
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EXDEV):
+        return False
+    raise OSError(code, f"cannot exchange {a} and {b}: {os.strerror(code)}")
+
+
+def _set_aside(target: Path, backup: Path) -> None:
+    """Fallback swap, step 1: the old tree moves to a hidden sibling (`.NAME.replaced-*`)."""
+    os.replace(target, backup)
+
+
+def _put_in_place(new: Path, target: Path) -> None:
+    """Swap, step 2 (step 1 without `renameat2`): the new tree takes the target's name."""
+    os.replace(new, target)
+
+
+def swap_directory(new: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Replace the directory `target` by the complete directory `new` (a sibling: same file system) and delete the
+    old tree. With `renameat2` (Linux) the two trees are exchanged atomically, so `target` is always one complete
+    tree; elsewhere the old tree is first renamed to a hidden `.NAME.replaced-*` sibling, so that a crash between
+    the two renames leaves it complete there (`restore_replaced` puts it back). A failure restores the old tree."""
+    new, target = Path(new), Path(target)
+    if _exchange(new, target):
+        shutil.rmtree(new, ignore_errors=True)  # now the old tree; a crash here leaves a hidden stale copy
+        if new.exists():
+            logger.warning(f"could not remove all of the replaced copy of {target} at {new}: delete it")
+        return
+    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.replaced-", dir=target.parent))
+    _set_aside(target, backup)
+    try:
+        _put_in_place(new, target)
+    except BaseException:
+        if not target.exists():
+            os.replace(backup, target)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def restore_replaced(target: str | os.PathLike) -> Path | None:
+    """After a crash between the two renames of `swap_directory` (no `renameat2`): when `target` is missing, put the
+    newest complete old tree (`.NAME.replaced-*`) back there. Returns the restored tree's former path, or None."""
+    target = Path(target)
+    if target.exists() or target.is_symlink():
+        return None
+    backups = sorted(target.parent.glob(f".{glob_escape(target.name)}.replaced-*"), key=lambda p: p.stat().st_mtime)
+    if not backups:
+        return None
+    os.replace(backups[-1], target)
+    logger.warning(f"{target} was missing after an interrupted replacement: restored the previous copy")
+    return backups[-1]
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+# Weight files of an earlier save: never carried into a new save (they are what it replaces).
+_WEIGHT_FILE = re.compile(
+    r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)$"
+    r"|^(model\.safetensors|pytorch_model\.bin)\.index\.json$"
+)
+_WRITTEN_BY_FINISH = ("README.md",)  # rewritten in place by finish_save: copied, never hard-linked
+
+
+def _carry_over(old: Path, new: Path, rewritten: set[str]) -> None:
+    """Bring into the fresh save `new` what the directory `old` holds besides the model (a tokenizer, checkpoints,
+    notes...): hard links where the file system allows them (no data copied), else copies. Files the new save
+    wrote win; the old weights are left out (they are what the save replaces)."""
+    for entry in old.iterdir():
+        dest = new / entry.name
+        if dest.exists() or dest.is_symlink() or _WEIGHT_FILE.match(entry.name):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), dest)
+        elif entry.is_dir():
+            try:
+                shutil.copytree(entry, dest, symlinks=True, copy_function=os.link)
+            except (OSError, shutil.Error):
+                shutil.rmtree(dest, ignore_errors=True)
+                shutil.copytree(entry, dest, symlinks=True)
+        elif entry.name in rewritten:
+            shutil.copy2(entry, dest)
+        else:
+            try:
+                os.link(entry, dest)
+            except OSError:
+                shutil.copy2(entry, dest)
+
+
+def check_save_directory(save_directory: str | os.PathLike) -> Path:
+    """The directory a model is saved to, or a clear error when it is an existing file (transformers only logs it
+    and saves nothing)."""
+    path = Path(save_directory)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"cannot save into {path}: it is a file, not a directory")
+    return path
+
+
+def _lock_directory(path: Path):
+    """An exclusive lock on the directory `path` itself (POSIX `flock`; it dies with the process), or None where it
+    cannot be had: held by another living process, or not POSIX."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_dead_saves(target: Path) -> None:
+    """Hidden `.NAME.saving-*` siblings whose saving process died (a kill or a crash: no lock held on them any more)
+    are unfinished saves: removed, saying so. A save in progress holds its lock and is left alone."""
+    for stale in target.parent.glob(f".{glob_escape(target.name)}.saving-*"):
+        if stale.is_symlink() or not stale.is_dir():
+            continue
+        fd = _lock_directory(stale)
+        if fd is None:
+            continue
+        try:
+            shutil.rmtree(stale, ignore_errors=True)
+            logger.warning(f"removed {stale}, an unfinished save into {target} left by an interrupted process")
+        finally:
+            os.close(fd)
+
+
+@contextmanager
+def saving_beside(save_directory: str | os.PathLike):
+    """Yields a fresh hidden sibling of `save_directory` (`.NAME.saving-*`, locked while in use) to save into. On
+    success it takes `save_directory`'s place in one step (`swap_directory`); on any failure it is removed and
+    `save_directory` is exactly as it was. So a reader never sees new files beside old ones. Unfinished saves that
+    interrupted processes left beside `save_directory` are removed first."""
+    target = check_save_directory(save_directory)
+    target = target.resolve() if target.is_symlink() else target.absolute()  # a link: the directory it names
+    target.parent.mkdir(parents=True, exist_ok=True)
+    restore_replaced(target)
+    _remove_dead_saves(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    lock = _lock_directory(tmp)
+    try:
+        yield tmp
+        if target.is_dir() and any(target.iterdir()):
+            swap_directory(tmp, target)
+        else:
+            os.replace(tmp, target)  # absent or empty: a plain rename (fails if someone filled it meanwhile)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def save_model_directory(model, save_directory, write, *, remote_code=True, model_card=True, **hub_kwargs) -> None:
+    """`DCFormerPreTrainedModel.save_pretrained` on the main process: `write(directory)` (transformers' save of the
+    config and weights) and `finish_save` (remote code, model card) run in a sibling that then replaces
+    `save_directory` as a whole (`saving_beside`); with `push_to_hub` the finished directory is uploaded."""
+    target = check_save_directory(save_directory)
+    repo_id = None
+    if hub_kwargs.pop("push_to_hub", False):
+        repo_id = create_repo(
+            hub_kwargs.pop("repo_id", None) or target.resolve().name,
+            private=hub_kwargs.pop("private", None),
+            token=hub_kwargs.get("token"),
+        )
+    hub_kwargs.pop("repo_id", None), hub_kwargs.pop("private", None)
+    try:
+        cwd = Path.cwd()
+    except OSError:  # the working directory was deleted: nothing to follow
+        cwd = None
+    with saving_beside(target) as tmp:
+        write(tmp)
+        if not (tmp / "config.json").is_file():
+            raise OSError(f"saving to {target} wrote no config.json: nothing was changed there")
+        if target.is_dir():
+            _carry_over(target, tmp, {"README.md", *(f.name for f in remote_code_files())})
+        options = model_card
+        if model_card:  # the card is named after the real directory, not the temporary one
+            options = dict(model_card) if isinstance(model_card, dict) else {}
+            if repo_id is not None:
+                options.setdefault("repo_id", repo_id)
+            if not options.get("repo_id"):
+                options.setdefault("model_name", target.resolve().name)
+        finish_save(model, tmp, remote_code=remote_code, model_card=options)
+    if cwd is not None and cwd.is_relative_to(target.absolute()):  # it was inside the replaced tree: follow it
+        os.chdir(cwd)
+    if repo_id is not None:
+        upload_folder(target, repo_id, **hub_kwargs)
+
 def push_model(
     model,
     repo_id: str,
@@ -477,11 +693,15 @@ def push_model(
 
 __all__ = [
     "AUTO_MAP",
+    "check_save_directory",
     "finish_save",
     "model_card",
     "push_folder",
     "push_model",
     "read_eval_results",
+    "save_model_directory",
+    "saving_beside",
+    "swap_directory",
     "write_model_card",
     "write_remote_code",
 ]

@@ -338,12 +338,22 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         `hub.write_model_card` options such as `license`, `base_model`, `eval_results`; a README.md this package
         did not generate is kept). `push_to_hub=True` (with `repo_id`, `private`, `token`, `commit_message`,
         `create_pr`) uploads the directory afterwards."""
-        from .hub import finish_save
+        from .hub import check_save_directory, finish_save, save_model_directory
 
         hub_keys = ("push_to_hub", "repo_id", "private", "token", "commit_message", "commit_description", "create_pr")
         hub_kwargs = {key: kwargs.pop(key) for key in hub_keys if key in kwargs}
-        super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
-        if self.should_save_on_this_rank(args[0] if args else kwargs.get("is_main_process", True)):
+        check_save_directory(save_directory)  # a file: an error (transformers logs it and saves nothing)
+        parent_save = super().save_pretrained
+
+        def write(directory):
+            parent_save(directory, *args, save_original_format=save_original_format, **kwargs)
+
+        on_this_rank = self.should_save_on_this_rank(args[0] if args else kwargs.get("is_main_process", True))
+        if on_this_rank and getattr(self, "_tp_size", None) is None:  # written beside, then swapped in (hub.py)
+            options = dict(remote_code=remote_code, model_card=model_card, **hub_kwargs)
+            return save_model_directory(self, save_directory, write, **options)
+        write(save_directory)
+        if on_this_rank:
             finish_save(self, save_directory, remote_code=remote_code, model_card=model_card, **hub_kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
