@@ -18,7 +18,7 @@ test: install
 # A wheel of this checkout in a fresh virtual environment (the README's install block), used from a temporary
 # directory: console scripts, presets, the quick start, convert -> evaluate -> save -> remote-code reload.
 check-wheel: install
-	DCFORMER_TEST_WHEEL=1 $(PY) -m pytest -q tests/test_wheel.py
+	$(PY) -m pytest -q -m wheel tests/test_wheel.py
 
 bench: install
 	$(PY) benchmarks/bench_model.py

@@ -119,7 +119,7 @@ def _number(value) -> float | None:
 def read_eval_results(eval_results) -> tuple[list[tuple[str, str, float, float | None]], str | None]:
     """lm-eval results -> ([(task, metric, value, stderr or None)], note).
 
-    `eval_results`: what `evals/harness.py` / lm-eval write or return (a dict with a "results" mapping, or that
+    `eval_results`: what `dcformer-eval` / lm-eval write or return (a dict with a "results" mapping, or that
     mapping itself: {task: {"acc,none": v, "acc_stderr,none": s, ...}}), or the path of such a JSON file, or of a
     directory (its newest `results*.json`, as `--output_path` leaves them). A filter other than "none" stays in the
     metric's name ("exact_match,strip"). The note says when lm-eval ran on a `limit`.
@@ -207,7 +207,7 @@ def _provenance(config, base_model: str | None) -> str | None:
     if getattr(config, "converted_from_model_type", None) == "gpt_neox":
         conversion = getattr(config, "conversion", None) or {}
         text = (
-            f"Built from the GPT-NeoX checkpoint {link} by `conversion/pythia_to_dcpythia.py`, which keeps the "
+            f"Built from the GPT-NeoX checkpoint {link} by `dcformer-convert-pythia` (modeling_dcformer.conversion.pythia_to_dcpythia), which keeps the "
             "source's body and weights and initialises the DCMHA composition weights so that every new weight is "
             "trainable"
         )

@@ -1,4 +1,4 @@
-"""The model against the independent reference in `tests/oracle.py` (written from shared/DCMHA.md only).
+"""The model against the independent reference in `tests/oracle.py` (written from the spec, docs/spec.md, only).
 
 Every comparison is fp32 model vs float64 oracle at atol 1e-5. Parameters are re-drawn at scales where every
 composition term changes the result by O(1) (the default init of dyn_w_proj is tiny, which would make a missing

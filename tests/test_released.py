@@ -42,12 +42,12 @@ from released_checkpoint import (
 ROOT = Path(__file__).resolve().parent.parent
 ATOL = 1e-4
 QK_NORM_EPS = 1e-6
-# The official named window patterns (DCMHA.md, "Windows"); None with a window_size means "LG".
+# The official named window patterns (docs/spec.md, windows); None with a window_size means "LG".
 PATTERNS = {None: "LG", "LG": "LG", "LGLL": "LGLL", "LGL6": "LGLLLLLL"}
 
 
 # ------------------------------------------------------------------------------------------------------------
-# An independent oracle over the *released* tensor names (DCMHA.md), float64
+# An independent oracle over the *released* tensor names (docs/spec.md), float64
 # ------------------------------------------------------------------------------------------------------------
 def oracle_windows(cfg: dict) -> list[int | None]:
     """Per-layer window of a released config: window_size keys on local layers, None on global ones."""

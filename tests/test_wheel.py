@@ -2,7 +2,7 @@
 README's install block, then used from a temporary directory outside the checkout.
 
 Slow (a few minutes: the environment is installed from scratch), so `make test` skips it and `make check-wheel`
-(run by CI after `make test`) sets DCFORMER_TEST_WHEEL=1.
+(run by CI after `make test`) selects it with `-m wheel`.
 """
 
 import json
@@ -19,9 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SCRIPTS = ("dcformer-convert-pythia", "dcformer-convert-released", "dcformer-eval")
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("DCFORMER_TEST_WHEEL") != "1", reason="installs a fresh environment: `make check-wheel` runs it"
-)
+pytestmark = pytest.mark.wheel  # installs a fresh environment: `make check-wheel` runs it (`pytest -m wheel`)
 
 
 def readme_blocks(lang):
