@@ -4,9 +4,11 @@ Self-contained (imports only `transformers` and the standard library) so that it
 as remote code next to `modeling_dcformer.py`.
 """
 
+import math
 import re
 
 from huggingface_hub.dataclasses import strict
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
@@ -93,7 +95,7 @@ class DCFormerConfig(PreTrainedConfig):
     """
 
     model_type = "dcformer"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     attribute_map = {"sliding_window": "window_size", "rms_norm_eps": "layer_norm_eps"}
     base_model_tp_plan = None
     base_model_pp_plan = {
@@ -143,7 +145,14 @@ class DCFormerConfig(PreTrainedConfig):
             kwargs.setdefault("partial_rotary_factor", kwargs.pop("rotary_pct"))
         if self.rope_parameters is None and "partial_rotary_factor" not in kwargs:
             kwargs["partial_rotary_factor"] = 0.25
-        self._check_sizes()
+        head_dim = kwargs.pop("head_dim", None)  # HF-style configs often spell it out: derived here, so only checked
+        self.validate_sizes()
+        if head_dim is not None and head_dim != self.hidden_size // self.num_attention_heads:
+            raise ValueError(
+                f"head_dim={head_dim!r} does not match hidden_size / num_attention_heads = {self.hidden_size} / "
+                f"{self.num_attention_heads} = {self.hidden_size // self.num_attention_heads}; DCFormer derives "
+                "head_dim from those two: leave it out or make it agree"
+            )
         if self.dynamic_hidden_size is None:
             self.dynamic_hidden_size = 4 * (self.num_attention_heads // self.num_head_groups)
         if self.layer_types is None:
@@ -153,9 +162,12 @@ class DCFormerConfig(PreTrainedConfig):
                 local = parse_window_type(self.window_type, self.num_hidden_layers)
                 self.layer_types = ["sliding_attention" if f else "full_attention" for f in local]
         super().__post_init__(**kwargs)
-        self._check_dcmha()
+        self.validate_dcmha()
 
-    def _check_sizes(self):
+    # The checks are the strict dataclass's class validators (`validate_*`): called here first, so that a bad value
+    # is a ValueError naming the field when the config is built, and run again by `config.validate()`, which
+    # `save_pretrained` calls, so that a value changed after construction is checked before it is written.
+    def validate_sizes(self):
         for name in (
             "vocab_size",
             "hidden_size",
@@ -185,8 +197,19 @@ class DCFormerConfig(PreTrainedConfig):
         if self.norm_type not in NORM_TYPES:
             raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
         for name in ("layer_norm_eps", "qk_norm_eps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} is not an activation transformers knows; use one of "
+                f"{', '.join(sorted(ACT2FN))}"
+            )
+        if self.window_type is not None and self.window_size is None:
+            raise ValueError(
+                f"window_type={self.window_type!r} is given without window_size: the pattern says which layers are "
+                "local, window_size how many keys they see; set window_size, or window_type=None for global layers"
+            )
         if self.window_size is not None:
             if not isinstance(self.window_size, int) or self.window_size < 1:
                 raise ValueError(f"window_size must be a positive integer or None, got {self.window_size!r}")
@@ -200,7 +223,7 @@ class DCFormerConfig(PreTrainedConfig):
         if self.dcmha_implementation not in known:
             raise ValueError(f"dcmha_implementation must be one of {known}, got {self.dcmha_implementation!r}")
 
-    def _check_dcmha(self):
+    def validate_dcmha(self):
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
@@ -210,6 +233,9 @@ class DCFormerConfig(PreTrainedConfig):
                 raise ValueError(f"layer_types entries must be one of {LAYER_TYPES}, got {layer_type!r}")
         if "sliding_attention" in self.layer_types and self.window_size is None:
             raise ValueError("layer_types has sliding_attention layers but window_size is None")
+        theta = self.rope_parameters.get("rope_theta")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+            raise ValueError(f"rope_theta must be a positive finite number, got {theta!r}")
         factor = self.rope_parameters.get("partial_rotary_factor", 1.0)
         if not 0.0 <= factor <= 1.0:
             raise ValueError(f"partial_rotary_factor must be in [0, 1], got {factor!r}")

@@ -28,11 +28,23 @@ from transformers.utils import logging
 
 from .cache_dcformer import DCFormerCache
 from .configuration_dcformer import DCFormerConfig
+from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch
 from .dcmha import DCMHAInputs, dcmha_attention
 from .released_format import IGNORED as RELEASED_IGNORED_KEYS
 from .released_format import register_released_layout
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed `past_key_values` to `cache` (arguments, `generate()`'s model kwargs, output fields); the
+# model follows the installed version's name and accepts both.
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_argument(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
+    return cache if cache is not None else past_key_values
+
 
 DW_RMS_EPS = 1e-6  # eps of the RMS normalisation of the dynamic w1 factors (spec, step 5)
 
@@ -193,7 +205,7 @@ class DCFormerAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         query_start: int = 0,
         padding_mask: torch.Tensor | None = None,
-        past_key_values: "DCFormerCache | None" = None,
+        cache: "DCFormerCache | None" = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, D = hidden_states.shape
@@ -215,8 +227,8 @@ class DCFormerAttention(nn.Module):
                 query_terms, key_terms = terms[:, :, :, 0::2], terms[:, :, :, 1::2]
 
         key_start = query_start
-        if past_key_values is not None:
-            key, value, key_terms, key_start = past_key_values.update_dcmha(
+        if cache is not None:
+            key, value, key_terms, key_start = cache.update_dcmha(
                 key, value, key_terms, self.layer_idx, self.window_size
             )
         key_padding_mask = None if padding_mask is None else padding_mask[:, key_start : key_start + key.shape[2]]
@@ -258,7 +270,7 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         query_start: int = 0,
         padding_mask: torch.Tensor | None = None,
-        past_key_values: "DCFormerCache | None" = None,
+        cache: "DCFormerCache | None" = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn_output, probs = self.self_attn(
@@ -266,7 +278,7 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             query_start=query_start,
             padding_mask=padding_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             output_attentions=output_attentions,
         )
         if self.use_parallel_residual:
@@ -286,7 +298,7 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DCFormerDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     # DCMHA is computed by this file's own attention; no flash/SDPA/flex kernel can compose heads.
     _supports_flash_attn = False
     _supports_sdpa = False
@@ -298,28 +310,42 @@ class DCFormerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, refusing checkpoints with missing tensors (transformers would
-        initialise them randomly and only warn). Loads our layout and the authors' released one alike."""
+        """`PreTrainedModel.from_pretrained`, refusing a checkpoint that does not match its config (transformers would
+        initialise missing tensors randomly, drop unused ones and cast integer tensors, and only log it): the error
+        names the config field responsible (`checkpoint_checks.py`). Loads our layout and the authors' released one
+        alike. With `output_loading_info=True` missing and unused tensors are reported back instead."""
         want_info = kwargs.get("output_loading_info", False)
         allow_mismatch = kwargs.get("ignore_mismatched_sizes", False)
         # transformers' own error for a wrong shape says only "look at the above report": load with the mismatches
-        # reported back, and refuse them here naming each tensor and both shapes
+        # reported back, and refuse them here naming each tensor, both shapes and the config field
         kwargs["output_loading_info"] = kwargs["ignore_mismatched_sizes"] = True
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         config = kwargs.get("config")
+        config_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
         if not isinstance(config, DCFormerConfig):
-            config_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
             config = DCFormerConfig.from_pretrained(source, **config_kwargs) if source is not None else None
+        elif config.query_wise and getattr(config, "released_model_type", None) and source is not None:
+            # the released layout stores four slots either way: only the checkpoint's own config tells whether its
+            # key-wise slots were trained, and then a query-wise model would drop them
+            if not DCFormerConfig.from_pretrained(source, **config_kwargs).query_wise:
+                raise ValueError(
+                    f"query_wise is True but checkpoint {str(source)!r} was trained with query_wise=False: a query-wise "
+                    "model would drop its key-wise composition weights; load it with its own config"
+                )
         if config is not None:  # the released layout's names for this body (its MLP's w1 depends on it)
             register_released_layout(config.model_type, config.use_gated_mlp)
         model, info = super().from_pretrained(*args, **kwargs)
-        if info["mismatched_keys"] and not allow_mismatch:
-            shapes = "; ".join(
-                f"{key}: checkpoint {tuple(ckpt)} vs model {tuple(ours)}" for key, ckpt, ours in info["mismatched_keys"]
-            )
-            raise ValueError(f"checkpoint {source!r} has tensors of the wrong shape: {shapes}")
-        if info["missing_keys"] and not want_info:
-            raise ValueError(f"checkpoint {source!r} lacks tensors the model needs: {sorted(info['missing_keys'])}")
+        hub_kwargs = {k: kwargs.get(k) for k in ("revision", "cache_dir", "token")}
+        check_dtypes(source, checkpoint_files(source, subfolder=kwargs.get("subfolder", ""), **hub_kwargs))
+        problem = describe_mismatch(
+            model.config,
+            source,
+            unexpected=() if want_info else info["unexpected_keys"],
+            missing=() if want_info else info["missing_keys"],
+            mismatched=() if allow_mismatch else info["mismatched_keys"],
+        )
+        if problem:
+            raise ValueError(problem)
         return (model, info) if want_info else model
 
     def save_pretrained(
@@ -407,14 +433,17 @@ class DCFormerModel(DCFormerPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast | tuple:
+        """`cache` is transformers' name for the cache from 5.24 on; `past_key_values`, the earlier one, is accepted."""
+        cache = cache_argument(cache, past_key_values)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -431,16 +460,16 @@ class DCFormerModel(DCFormerPreTrainedModel):
         B, T = inputs_embeds.shape[:2]
         device = inputs_embeds.device
 
-        if past_key_values is not None and not isinstance(past_key_values, DCFormerCache):
-            if past_key_values.get_seq_length() > 0:
+        if cache is not None and not isinstance(cache, DCFormerCache):
+            if cache.get_seq_length() > 0:
                 raise TypeError(
                     f"DCFormer needs a DCFormerCache (keys' composition terms are cached too), got a filled "
-                    f"{type(past_key_values).__name__}"
+                    f"{type(cache).__name__}"
                 )
-            past_key_values = None  # an empty generic cache: replace it with ours
-        if use_cache and past_key_values is None:
-            past_key_values = DCFormerCache(self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+            cache = None  # an empty generic cache: replace it with ours
+        if use_cache and cache is None:
+            cache = DCFormerCache(self.config)
+        past_length = cache.get_seq_length() if cache is not None else 0
 
         padding_mask = None
         if attention_mask is not None:
@@ -475,7 +504,7 @@ class DCFormerModel(DCFormerPreTrainedModel):
                 position_embeddings=position_embeddings,
                 query_start=past_length,
                 padding_mask=padding_mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 output_attentions=output_attentions,
             )
             if output_attentions:
@@ -486,7 +515,7 @@ class DCFormerModel(DCFormerPreTrainedModel):
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **{CACHE_NAME: cache if use_cache else None},
             hidden_states=all_hidden_states,
             attentions=all_attentions,
         )
@@ -519,18 +548,18 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
                 f"cache_implementation={implementation!r} is not supported by DCFormer (its cache also holds the "
                 'keys\' composition factors): use "dynamic" (the default) or "static"'
             )
-        if model_kwargs.get("past_key_values") is not None:
+        if model_kwargs.get(CACHE_NAME) is not None:
             if implementation is not None:
-                raise ValueError("pass either cache_implementation or past_key_values to generate(), not both")
-            model_kwargs["past_key_values"]._is_user_defined = True  # as transformers marks a cache it was given
+                raise ValueError(f"pass either cache_implementation or {CACHE_NAME} to generate(), not both")
+            model_kwargs[CACHE_NAME]._is_user_defined = True  # as transformers marks a cache it was given
             return
         if generation_config.use_cache is False:
             return
         if implementation == "static":
             length = max(max_cache_length, generation_config.max_cache_len or 0)
-            model_kwargs["past_key_values"] = DCFormerCache(self.config, max_cache_len=length)
+            model_kwargs[CACHE_NAME] = DCFormerCache(self.config, max_cache_len=length)
         else:
-            model_kwargs["past_key_values"] = DCFormerCache(self.config)
+            model_kwargs[CACHE_NAME] = DCFormerCache(self.config)
 
     def get_output_embeddings(self):
         return self.lm_head
@@ -543,7 +572,7 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -551,14 +580,17 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
+        """`cache` is transformers' name for the cache from 5.24 on; `past_key_values`, the earlier one, is accepted."""
+        cache = cache_argument(cache, past_key_values)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
@@ -574,7 +606,7 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: outputs[CACHE_NAME] if CACHE_NAME in outputs else None},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

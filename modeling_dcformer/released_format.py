@@ -198,7 +198,9 @@ def register_released_layout(model_type: str, use_gated_mlp: bool) -> None:
         def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs):
             (tensors,) = input_dict.values()
             tensor = tensors[0] if isinstance(tensors, list) else tensors
-            if config is not None and config.query_wise:
+            # only for the released layout (its config carries `released_model_type`): a native checkpoint with four
+            # slots under a query-wise config is a mismatch, reported by name (checkpoint_checks.py)
+            if config is not None and config.query_wise and getattr(config, "released_model_type", None):
                 tensor = query_wise_slots(target_patterns[0], tensor, config.heads_per_group)
             return {target_patterns[0]: tensor}
 

@@ -213,6 +213,88 @@ def test_interrupted_conversion_leftovers_are_cleaned_up_next_run(released, tmp_
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# 4. A config that does not match its weights is an error naming the field; integer weights are refused
+# ----------------------------------------------------------------------------------------------------------------
+MISMATCH_BASE = dict(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+    max_position_embeddings=64, use_qk_norm=True, window_size=8,
+)  # fmt: skip
+
+
+@pytest.fixture
+def saved_dcformer(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "saved"
+    DCFormerForCausalLM(DCFormerConfig(**MISMATCH_BASE)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (dict(query_wise=True), "query_wise is True but the checkpoint stores all four composition slots"),
+        (dict(num_hidden_layers=1), "num_hidden_layers is 1 but the checkpoint has at least 2 layers"),
+        (dict(use_qk_norm=False), "use_qk_norm is False but the checkpoint has tensors that only a model with"),
+        (dict(use_dcmha=False), "use_dcmha is False but the checkpoint has tensors"),
+        (dict(attention_bias=False), "attention_bias is False"),
+        (dict(norm_type="rmsnorm"), "norm_type is 'rmsnorm'"),
+        (dict(use_gated_mlp=True), "use_gated_mlp is True but the checkpoint lacks"),
+        (dict(intermediate_size=32), r"mlp\.up_proj\.weight has shape \(64, 32\) in the checkpoint but \(32, 32\)"),
+    ],
+)
+def test_config_that_does_not_match_the_weights_names_the_field(saved_dcformer, override, message):
+    config = DCFormerConfig(**{**MISMATCH_BASE, **override})
+    with pytest.raises(ValueError, match=message):
+        DCFormerForCausalLM.from_pretrained(saved_dcformer, config=config)
+
+
+def test_two_slot_checkpoint_under_a_four_slot_config(tmp_path):
+    path = tmp_path / "query-wise"
+    DCFormerForCausalLM(DCFormerConfig(**MISMATCH_BASE, query_wise=True)).save_pretrained(path)
+    assert DCFormerForCausalLM.from_pretrained(path).config.query_wise  # its own config: fine
+    with pytest.raises(ValueError, match="query_wise is False but the checkpoint stores only the two query-wise"):
+        DCFormerForCausalLM.from_pretrained(path, config=DCFormerConfig(**MISMATCH_BASE))
+
+
+def test_base_model_from_a_causal_lm_checkpoint_is_not_a_mismatch(saved_dcformer):
+    from modeling_dcformer import DCFormerModel
+
+    model = DCFormerModel.from_pretrained(saved_dcformer)  # lm_head unused by the base model: that is expected
+    assert model.config.num_hidden_layers == 2
+
+
+def test_query_wise_config_over_a_released_full_checkpoint_is_refused(tmp_path):
+    src, _, _ = released_dir(tmp_path)  # trained with query_wise=False, four slots stored
+    config = DCFormerConfig.from_pretrained(src)
+    assert not config.query_wise and config.released_model_type == "dcpythia"
+    config.query_wise = True
+    with pytest.raises(ValueError, match="query_wise is True but checkpoint .* was trained with query_wise=False"):
+        DCFormerForCausalLM.from_pretrained(src, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_integer_weights_are_refused(saved_dcformer, dtype):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(saved_dcformer / "model.safetensors")
+    state["model.layers.0.self_attn.o_proj.weight"] = state["model.layers.0.self_attn.o_proj.weight"].to(dtype)
+    save_file(state, saved_dcformer / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"non-floating dtype.*layers\.0\.self_attn\.o_proj\.weight"):
+        DCFormerForCausalLM.from_pretrained(saved_dcformer)
+
+
+def test_integer_weights_in_a_torch_checkpoint_are_refused(saved_dcformer):
+    from safetensors.torch import load_file
+
+    state = load_file(saved_dcformer / "model.safetensors")
+    state["lm_head.weight"] = state["lm_head.weight"].long()
+    (saved_dcformer / "model.safetensors").unlink()
+    torch.save(state, saved_dcformer / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"non-floating dtype.*lm_head\.weight \(torch\.int64\)"):
+        DCFormerForCausalLM.from_pretrained(saved_dcformer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # 8. A failed verification never writes and never exits 0
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tolerance", ["nan", "-1"])

@@ -5,6 +5,7 @@ Every equivalence test randomises the dynamic-weight projections (`dyn_w_proj`, 
 composition terms move the logits as much as the rest of the model does.
 """
 
+import json
 import warnings
 
 import pytest
@@ -146,11 +147,39 @@ def test_tied_embeddings_share_storage(tiny_model):
         (dict(layer_types=["full_attention", "banana"]), "layer_types"),
         (dict(layer_types=["sliding_attention", "full_attention"]), "window_size"),
         (dict(attention_chunk_size=0), "attention_chunk_size"),
+        (dict(rope_theta=0.0), "rope_theta"),
+        (dict(rope_theta=-10000.0), "rope_theta"),
+        (dict(rope_theta=float("inf")), "rope_theta"),
+        (dict(layer_norm_eps=0.0), "layer_norm_eps"),
+        (dict(layer_norm_eps=float("nan")), "layer_norm_eps"),
+        (dict(layer_norm_eps=float("inf")), "layer_norm_eps"),
+        (dict(qk_norm_eps=float("nan")), "qk_norm_eps"),
+        (dict(hidden_act="gelux"), "hidden_act"),
+        (dict(window_size=None, window_type="LG"), "window_type"),
+        (dict(head_dim=16), "head_dim"),
     ],
 )
 def test_bad_config_raises_naming_field(tiny_config, overrides, field):
     with pytest.raises(ValueError, match=field):
         tiny_config(**overrides)
+
+
+def test_value_changed_after_construction_is_checked_before_saving(tiny_config, tmp_path):
+    """The checks are the strict config's validators: `save_pretrained` runs them again."""
+    config = tiny_config()
+    config.layer_norm_eps = -1.0
+    with pytest.raises(Exception, match="layer_norm_eps must be a positive finite number"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_consistent_head_dim_is_accepted(tiny_config, tmp_path):
+    config = tiny_config(head_dim=8)  # hidden_size 32 / 4 heads: the value an HF-style config.json spells out
+    assert config.head_dim == 8
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "head_dim": 8}))
+    assert DCFormerConfig.from_pretrained(tmp_path).head_dim == 8
+    with pytest.raises(ValueError, match="head_dim=6"):
+        DCFormerConfig.from_dict({**config.to_dict(), "head_dim": 6})
 
 
 @pytest.mark.parametrize(
@@ -166,7 +195,11 @@ def test_window_patterns(tiny_config, window_type, expected):
     cfg = tiny_config(num_hidden_layers=8, window_size=3, window_type=window_type)
     got = "".join("L" if t == "sliding_attention" else "G" for t in cfg.layer_types)
     assert got == expected
-    assert tiny_config(num_hidden_layers=8, window_type=window_type).layer_types == ["full_attention"] * 8
+    if window_type is None:
+        assert tiny_config(num_hidden_layers=8).layer_types == ["full_attention"] * 8
+    else:  # a pattern without a window would say nothing: refused (it used to be ignored)
+        with pytest.raises(ValueError, match="window_type=.* is given without window_size"):
+            tiny_config(num_hidden_layers=8, window_type=window_type)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -335,6 +368,26 @@ def test_decoding_with_explicit_empty_cache(tiny_model):
         first = model(ids[:, :5], past_key_values=cache, use_cache=True)
         last = model(ids[:, 5:], past_key_values=first.past_key_values, use_cache=True).logits
     torch.testing.assert_close(torch.cat([first.logits, last], 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_argument_under_both_names(tiny_model):
+    """transformers 5.24 renamed `past_key_values` to `cache`: both names work, and the output carries the cache
+    under the installed version's name; both at once is an error."""
+    import transformers.modeling_outputs as outputs
+
+    model = tiny_model(window_size=3)
+    ids = rand_ids(2, 6)
+    name = "cache" if "cache" in outputs.CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    with torch.no_grad():
+        full = model(ids).logits
+        for argument in ("cache", "past_key_values"):
+            cache = DCFormerCache(model.config)
+            first = model(ids[:, :5], use_cache=True, **{argument: cache})
+            assert first[name] is cache and cache.get_seq_length() == 5
+            last = model(ids[:, 5:], use_cache=True, **{argument: cache}).logits
+            torch.testing.assert_close(torch.cat([first.logits, last], 1), full, rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="not both"):
+            model(ids, cache=DCFormerCache(model.config), past_key_values=DCFormerCache(model.config))
 
 
 def test_prefilled_cache_holds_only_its_own_tensors(tiny_model):
