@@ -12,8 +12,9 @@ install:
 demo: install
 	$(PY) examples/demo.py
 
+# One pytest worker per core (pytest-xdist), a test file's tests on one worker (module fixtures built once).
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 
 # A wheel of this checkout in a fresh virtual environment (the README's install block), used from a temporary
 # directory: console scripts, presets, the quick start, convert -> evaluate -> save -> remote-code reload.

@@ -141,7 +141,11 @@ def test_layer_types_follow_the_spec(window_type):
     assert "".join("L" if f else "G" for f in local) == expected
     config = make_config(num_hidden_layers=10, window_size=WINDOW, window_type=window_type)
     assert config.layer_types == ["sliding_attention" if f else "full_attention" for f in local]
-    assert make_config(window_size=None, window_type=window_type).layer_types == ["full_attention"] * 4
+    if window_type is None:
+        assert make_config(window_size=None).layer_types == ["full_attention"] * 4
+    else:  # a pattern without a window is refused, not ignored
+        with pytest.raises(ValueError, match="without window_size"):
+            make_config(window_size=None, window_type=window_type)
 
 
 # ----------------------------------------------------------------------------------------------------------------
