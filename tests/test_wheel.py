@@ -144,6 +144,9 @@ def test_convert_evaluate_save_and_reload_with_remote_code(env):
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained("dcpythia-tiny").eval()
         model.save_pretrained("saved")
+        # the remote code carries no kernel, so its "auto" runs eager here: compare with eager (the native "auto"
+        # takes the CPU kernel, equal to rounding: tests/test_dcmha_backends.py)
+        model.config.dcmha_implementation = "eager"
         with torch.no_grad():
             torch.save(model(torch.tensor([[1, 2, 3, 4, 5]])).logits, "native.pt")
     """)
