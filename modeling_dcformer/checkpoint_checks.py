@@ -46,21 +46,16 @@ def _body_key(key: str) -> str:
     return key[len("model.") :] if key.startswith("model.") else key
 
 
+def _first_field(table: list, key: str) -> str:
+    """The field of the first pattern in `table` that `key` matches; "" if none does."""
+    return next((field for pattern, field in table if pattern.search(key)), "")
+
+
 def _presence_field(key: str, config) -> str:
     match = LAYER.match(key)
     if match and int(match.group(1)) >= config.num_hidden_layers:
         return "num_hidden_layers"
-    for pattern, field in PRESENCE_FIELDS:
-        if pattern.search(key):
-            return field
-    return ""
-
-
-def _shape_field(key: str) -> str:
-    for pattern, field in SHAPE_FIELDS:
-        if pattern.search(key):
-            return field
-    return ""
+    return _first_field(PRESENCE_FIELDS, key)
 
 
 def _listing(keys: list[str], limit: int = 4) -> str:
@@ -134,7 +129,7 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
             f"({_listing([f'{key} {ours} vs {theirs}' for key, ours, theirs in slot_keys], 2)}, checkpoint vs model)"
         )
     for key, checkpoint_shape, model_shape in other[:6]:
-        field = _shape_field(key)
+        field = _first_field(SHAPE_FIELDS, key)
         hint = f" (set by {field})" if field else ""
         problems.append(f"{key} has shape {checkpoint_shape} in the checkpoint but {model_shape} in the model{hint}")
     if len(other) > 6:
@@ -155,13 +150,14 @@ def _safetensors_header(path: Path) -> dict:
 def checkpoint_files(source, *, subfolder: str = "", **hub_kwargs) -> list[Path]:
     """The weight files of `source` (a local directory, or a Hub id whose files are already in the local cache
     after loading); empty when they cannot be found without a download."""
-    names = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
     if source is None:
         return []
     if os.path.isdir(source):
         folder = Path(source, subfolder or "")
-        found = {name: folder / name for name in names if (folder / name).is_file()}
-        resolve = lambda name: folder / name if (folder / name).is_file() else None  # noqa: E731
+
+        def resolve(name):
+            return folder / name if (folder / name).is_file() else None
+
     else:
         from transformers.utils import cached_file
 
@@ -177,14 +173,15 @@ def checkpoint_files(source, *, subfolder: str = "", **hub_kwargs) -> list[Path]
                 return None
             return Path(path) if path else None
 
-        found = {name: path for name in names if (path := resolve(name)) is not None}
-    for index, single in ((names[0], names[1]), (names[2], names[3])):
-        if index in found:
-            shards = sorted(set(json.loads(found[index].read_text())["weight_map"].values()))
-            paths = [resolve(shard) for shard in shards]
-            return [p for p in paths if p is not None]
-        if single in found:
-            return [found[single]]
+    for index_name, single_name in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
+        if (index := resolve(index_name)) is not None:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [path for shard in shards if (path := resolve(shard)) is not None]
+        if (single := resolve(single_name)) is not None:
+            return [single]
     return []
 
 

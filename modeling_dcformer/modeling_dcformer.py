@@ -335,8 +335,7 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         if config is not None:  # the released layout's names for this body (its MLP's w1 depends on it)
             register_released_layout(config.model_type, config.use_gated_mlp)
         model, info = super().from_pretrained(*args, **kwargs)
-        hub_kwargs = {k: kwargs.get(k) for k in ("revision", "cache_dir", "token")}
-        check_dtypes(source, checkpoint_files(source, subfolder=kwargs.get("subfolder", ""), **hub_kwargs))
+        check_dtypes(source, checkpoint_files(source, subfolder=kwargs.get("subfolder", ""), **config_kwargs))
         problem = describe_mismatch(
             model.config,
             source,
@@ -606,7 +605,7 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            **{CACHE_NAME: outputs[CACHE_NAME] if CACHE_NAME in outputs else None},
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

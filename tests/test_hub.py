@@ -27,7 +27,8 @@ from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfi
 from released_checkpoint import released_dir
 
 CODE_FILES = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "hub.py", "dcmha.py",
-              "dcmha_eager.py", "dcmha_compiled.py", "cache_dcformer.py", "checkpoint_checks.py"}  # no kernel: they stay in the package
+              "dcmha_eager.py", "dcmha_compiled.py", "cache_dcformer.py",
+              "checkpoint_checks.py"}  # no kernel: they stay in the package
 LM_EVAL_RESULTS = {  # the shape of what lm-eval / dcformer-eval write (abridged)
     "results": {
         "piqa_local": {"alias": "piqa_local", "acc,none": 0.625, "acc_stderr,none": 0.125, "acc_norm,none": 0.5,
@@ -159,7 +160,7 @@ def test_saved_remote_code_carries_the_interface_but_no_kernel(saved):
     """The remote code is the model, its interface and the pure-PyTorch backends; the kernels stay in the package."""
     for directory in saved.values():
         names = {p.name for p in directory.iterdir()}
-        assert {"modeling_dcformer.py", "dcmha.py", "dcmha_eager.py", "dcmha_compiled.py", "cache_dcformer.py", "checkpoint_checks.py"} <= names
+        assert CODE_FILES <= names, names
         assert not names & {"cpu_kernel.py", "triton_kernel.py", "csrc", "dcmha_cpu.cpp"}, names
 
 
