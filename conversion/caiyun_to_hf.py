@@ -23,6 +23,7 @@ from transformers.utils import logging
 
 from .common import (
     ShardWriter,
+    UploadError,
     add_hub_arguments,
     atomic_output_dir,
     copy_tokenizer_files,
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             token=args.token,
             license=args.license,
         )
+    except UploadError as err:  # the output is complete: one line with the command that retries the upload
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     except Exception as err:  # a clear one-line error (bad input, corrupt shard) rather than a traceback
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2

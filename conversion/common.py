@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -31,6 +32,16 @@ TOKENIZER_FILES = (
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
 
 
+class UploadError(OSError):
+    """The output directory is complete, but uploading it to the Hub failed (the message says how to retry)."""
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as `Type: first line of its message` (at most 200 characters of it)."""
+    reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    return f"{type(err).__name__}: {reason}" if reason else type(err).__name__
+
+
 def resolve_source(src: str, revision: str | None = None) -> Path:
     """A local checkpoint directory, or a Hub id downloaded (config, weights and tokenizer files only)."""
     path = Path(src)
@@ -43,10 +54,6 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
     from huggingface_hub import HfApi, snapshot_download
 
     from huggingface_hub.utils import logging as hub_logging
-
-    def one_line(err: Exception) -> str:
-        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-        return f"{type(err).__name__}: {reason}" if reason else type(err).__name__
 
     logger.info(f"{src!r} is not a local directory: looking it up on the Hub")
     verbosity = hub_logging.get_verbosity()
@@ -370,8 +377,18 @@ def write_shareable(directory: Path, config, name: str, repo_id: str | None = No
 
 
 def push_output(directory: Path, repo_id: str, private: bool = False, token: str | None = None, message: str = ""):
-    """Upload a finished output directory (only once it is complete: a failed upload leaves it in place)."""
+    """Upload a finished output directory. A failed upload leaves it in place and raises `UploadError`, whose
+    one-line message names the directory, the failure and the `hf upload` command that retries just the upload."""
     from modeling_dcformer.hub import push_folder
 
-    info = push_folder(directory, repo_id, private=private or None, token=token, commit_message=message or None)
+    try:
+        info = push_folder(directory, repo_id, private=private or None, token=token, commit_message=message or None)
+    except Exception as err:  # network, authentication, permissions: one line, not the HTTP client's traceback
+        retry = f"hf upload {shlex.quote(repo_id)} {shlex.quote(str(Path(directory).resolve()))}"
+        if private:
+            retry += " --private"
+        raise UploadError(
+            f"the conversion is complete in {Path(directory).resolve()}, but uploading it to {repo_id} failed "
+            f"({one_line(err)}); retry the upload with: {retry}"
+        ) from err
     print(f"Pushed {directory} -> {getattr(info, 'commit_url', None) or repo_id}")

@@ -13,7 +13,9 @@ released architecture instead, which changes the function (a warning says so and
 
 It streams: one source tensor and one output shard are in memory at a time, so Pythia-12B converts on a
 24 GB machine. `--verify` (default: on up to 1.1B parameters, i.e. Pythia-1B and smaller) loads both models
-in fp32, runs a few sentences and fails when the logits differ by more than --tolerance (1e-4). The
+in fp32, runs a few sentences and fails when the logits differ by more than --tolerance (1e-4). With --dtype
+bf16/fp16 it checks the weights before the cast (where the conversion is exact): they are written uncast,
+verified, then cast in a second pass; the difference after the cast (rounding) is printed for information. The
 destination appears only once complete and verified (written beside it, then renamed). It carries the remote code
 and a model card (base_model: the source when it is a Hub id), so it loads with `trust_remote_code=True` where this
 package is not installed; `--push-to-hub REPO` then uploads it:
@@ -25,9 +27,9 @@ import argparse
 import json
 import math
 import re
+import shutil
 import sys
 from pathlib import Path
-
 
 import torch
 from tqdm.auto import tqdm
@@ -36,6 +38,7 @@ from transformers.utils import logging
 
 from .common import (
     ShardWriter,
+    UploadError,
     add_hub_arguments,
     atomic_output_dir,
     copy_tokenizer_files,
@@ -304,6 +307,23 @@ def count_tensors(files: list[Path]) -> int | None:
     return None
 
 
+def cast_checkpoint(src: Path, dst: Path, dtype: torch.dtype, max_shard_size: int) -> list[str]:
+    """Write the weights of the checkpoint directory `src` into `dst`, cast to `dtype`, in shards of at most
+    `max_shard_size` bytes (one tensor and one output shard in memory at a time). Returns the weight file names."""
+    writer = ShardWriter(dst, max_shard_size)
+    for file in weight_files(src):
+        for key, tensor in iter_shard(file):
+            writer.add(key, tensor.to(dtype))
+    return writer.finish()
+
+
+def source_parameter_count(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Parameters the source checkpoint holds: every tensor of the converted model but the ones the conversion
+    adds (dynamic-weight projections, qk-norm scales)."""
+    added = re.compile(r"\.(dyn_w_proj\.[^.]+|q_norm\.weight|k_norm\.weight)$")
+    return sum(math.prod(shape) for key, shape in shapes.items() if not added.search(key))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Verification
 # ----------------------------------------------------------------------------------------------------------------
@@ -426,9 +446,28 @@ def convert(
             f"{src}'s function (its logits will differ; the measured difference is reported below)",
             file=sys.stderr,
         )
+    source_params = source_parameter_count(shapes)
+    if verify is None:
+        verify = source_params <= VERIFY_DEFAULT_MAX_PARAMS
+        if not verify:
+            print(
+                f"verify: skipped by default for {source_params / 1e9:.2f}B parameters (more than "
+                f"{VERIFY_DEFAULT_MAX_PARAMS / 1e9:.1f}B); pass --verify to run it (one fp32 model in memory "
+                "at a time)",
+                file=sys.stderr,
+            )
+    # The conversion is exact before any rounding: with --dtype bf16/fp16, verify the uncast weights (written to a
+    # subdirectory), then cast them into the output. Rounding changes the logits and is not what the check is about.
+    cast_after_verify = verify and target_dtype not in (None, torch.float32)
+    compared = "fp32"
+    if cast_after_verify:
+        compared = f"fp32, before casting to {str(target_dtype).removeprefix('torch.')}"
 
     with atomic_output_dir(dst_path, overwrite, source=src_dir) as tmp:
-        writer = ShardWriter(tmp, parse_size(max_shard_size))
+        out = tmp / "uncast" if cast_after_verify else tmp
+        out.mkdir(exist_ok=True)
+        write_dtype = None if cast_after_verify else target_dtype
+        writer = ShardWriter(out, parse_size(max_shard_size))
         written: dict[str, torch.dtype] = {}
         layer_dtypes: dict[int, torch.dtype] = {}
         num_params = 0
@@ -443,7 +482,7 @@ def convert(
             if key in written:
                 raise ValueError(f"{source_key}: {key} appears twice in the checkpoint")
             written[key] = tensor.dtype
-            writer.add(key, tensor if target_dtype is None else tensor.to(target_dtype))
+            writer.add(key, tensor if write_dtype is None else tensor.to(write_dtype))
 
         with tqdm(total=count_tensors(files), desc="Converting", unit="tensor") as bar:
             for file in files:
@@ -467,6 +506,7 @@ def convert(
         generator = torch.Generator().manual_seed(seed)
         default_dtype = max(set(written.values()) or {torch.float32}, key=lambda d: torch.finfo(d).bits)
         for layer in range(config.num_hidden_layers):
+            # The new tensors are drawn in fp32 and cast once, straight to their final dtype (also when staged).
             new_dtype = target_dtype or layer_dtypes.get(layer, default_dtype)
             for key, tensor in new_layer_tensors(config, layer, new_dtype, init_scale, generator).items():
                 put(key, tensor, "(new)")
@@ -474,31 +514,19 @@ def convert(
         if missing:
             raise ValueError(f"the checkpoint lacks tensors a GPT-NeoX causal LM needs: {missing}")
         writer.finish()
-        saved_dtypes = {target_dtype} if target_dtype is not None else set(written.values())
+        saved_dtypes = {write_dtype} if write_dtype is not None else set(written.values())
         config.dtype = max(saved_dtypes, key=lambda d: torch.finfo(d).bits)
         config.architectures = ["DCFormerForCausalLM"]
-        config.save_pretrained(tmp)
-        copied = copy_tokenizer_files(src_dir, tmp)
-        logger.info(f"copied tokenizer files: {copied}")
+        config.save_pretrained(out)
 
-        if verify is None:
-            verify = num_params <= VERIFY_DEFAULT_MAX_PARAMS
-            if not verify:
-                print(
-                    f"verify: skipped by default for {num_params / 1e9:.2f}B parameters (more than "
-                    f"{VERIFY_DEFAULT_MAX_PARAMS / 1e9:.1f}B); pass --verify to run it (one fp32 model in memory "
-                    "at a time)",
-                    file=sys.stderr,
-                )
         if verify:
-            diff, count, how = max_logit_difference(src_dir, tmp, config)
-            config.conversion = {**config.conversion, "max_logit_difference": diff}
-            config.save_pretrained(tmp)
+            diff, count, how = max_logit_difference(src_dir, out, config)
+            config.conversion = {**config.conversion, "max_logit_difference": diff, "verified_in": compared}
             if exact:
                 passed = diff <= tolerance  # False for a NaN difference: a failure, never a pass
                 verdict = "OK" if passed else "FAILED"
                 print(
-                    f"verify: max |logit difference| (fp32) on {count} sequences ({how}) = {diff:.3e} "
+                    f"verify: max |logit difference| ({compared}) on {count} sequences ({how}) = {diff:.3e} "
                     f"(bound {tolerance:.0e}): {verdict}"
                 )
                 if not passed:
@@ -508,12 +536,28 @@ def convert(
                     )
             else:
                 print(
-                    f"warning: max |logit difference| (fp32) from {src} on {count} sequences ({how}) = {diff:.3e} "
-                    "(expected: the function is no longer the source's; no bound applied)",
+                    f"warning: max |logit difference| ({compared}) from {src} on {count} sequences ({how}) = "
+                    f"{diff:.3e} (expected: the function is no longer the source's; no bound applied)",
                     file=sys.stderr,
                 )
         elif not exact:
             print("warning: the logit difference was not measured (verification off); pass --verify", file=sys.stderr)
+
+        if cast_after_verify:
+            cast_checkpoint(out, tmp, target_dtype, parse_size(max_shard_size))
+            shutil.rmtree(out)
+            config.dtype = target_dtype
+            config.save_pretrained(tmp)
+            rounded = max_logit_difference(src_dir, tmp, config)[0]
+            config.conversion = {**config.conversion, "max_logit_difference_after_cast": rounded}
+            name = str(target_dtype).removeprefix("torch.")
+            print(
+                f"verify: after casting to {name}: max |logit difference| = {rounded:.3e} (the {name} rounding of "
+                "the weights, run in fp32; for information, not checked)"
+            )
+        config.save_pretrained(tmp)
+        copied = copy_tokenizer_files(src_dir, tmp)
+        logger.info(f"copied tokenizer files: {copied}")
         write_shareable(tmp, config, dst_path.name, repo_id=push_to_hub, license=license)
     print(f"Converted {src} -> {dst_path} ({len(written)} tensors, {num_params / 1e6:.1f}M source parameters)")
     if push_to_hub is not None:
@@ -546,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="compare both models' fp32 logits on a few sentences (default: on up to 1.1B parameters)",
+        help="compare both models' fp32 logits on a few sentences, before any --dtype cast (default: on up to 1.1B "
+        "parameters)",
     )
     parser.add_argument(
         "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="largest allowed |logit difference| (1e-4)"
@@ -577,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
             token=args.token,
             license=args.license,
         )
+    except UploadError as err:  # the output is complete: one line with the command that retries the upload
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

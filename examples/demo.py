@@ -412,12 +412,29 @@ def run_quick_bench(out: Path) -> dict | None:
         logger.warning(f"benchmarks/bench_model.py failed (exit code {proc.returncode}): no ratios in the summary")
         return None
     bench = json.loads(json_file.read_text())
-    return {"baseline": bench["baseline"], "shape": bench.get("shape"), "ratios": bench["ratios"],
-            "memory_ratios": bench["memory_ratios"], "file": str(json_file)}
+    return {"baseline": bench["baseline"], "shape": bench.get("shape"), "ratios": finite_or_none(bench["ratios"]),
+            "memory_ratios": finite_or_none(bench["memory_ratios"]), "file": str(json_file)}
+
+
+def finite_or_none(ratios: dict) -> dict:
+    """The bench writes NaN for a ratio over a baseline measured as 0 (e.g. a tiny model's prefill memory on a CPU):
+    None instead, so that summary.json stays valid JSON and the summary says n/a."""
+    return {k: v if isinstance(v, (int, float)) and math.isfinite(v) else None for k, v in ratios.items()}
 
 
 def fmt(value, spec=".3f") -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+def fmt_ratios(ratios: dict) -> str:
+    """`prefill 1.20x, train 1.35x`; a ratio that could not be measured is `n/a (baseline measured as 0)`."""
+    parts = []
+    for name, value in ratios.items():
+        if value is None or not math.isfinite(value):
+            parts.append(f"{name} n/a (baseline measured as 0)")
+        else:
+            parts.append(f"{name} {value:.2f}x")
+    return ", ".join(parts)
 
 
 def summary_rows(s: dict) -> list[tuple[str, str]]:
@@ -459,9 +476,8 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     rows.append(("cached == uncached greedy", str(g["cache_matches_no_cache"])))
     b = s.get("bench")
     if b:
-        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in b["ratios"].items())
-        rows.append((f"bench DCFormer/{b['baseline']}", f"{ratios}; peak memory "
-                     + ", ".join(f"{k} {v:.2f}x" for k, v in b["memory_ratios"].items())))
+        rows.append((f"bench DCFormer/{b['baseline']}",
+                     f"{fmt_ratios(b['ratios'])}; peak memory {fmt_ratios(b['memory_ratios'])}"))
     rows.append(("wall time", f"{s['wall_time_s']:.0f} s (" + ", ".join(
         f"{k} {v:.0f}" for k, v in s["stage_seconds"].items()) + ")"))
     rows.append(("ok", str(s["ok"])))

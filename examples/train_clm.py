@@ -19,6 +19,8 @@ into blocks of `--block_size` tokens. Every `TrainingArguments` option is a flag
         --do_train --do_eval --output_dir /tmp/dcformer-tiny-harbour --use_cpu --report_to none
 
 It runs unchanged under `accelerate launch` (DDP, FSDP, DeepSpeed ZeRO) and `torchrun`: see examples/accelerate/.
+On CPUs, `accelerate launch --cpu` starts one process whatever `--num_processes` says (the script warns): use
+examples/accelerate/multi_cpu_gloo.yaml or `torchrun --nproc_per_node N` (docs/training.md).
 After `trainer.save_model`, `AutoModelForCausalLM.from_pretrained(output_dir)` loads the result (with
 `import modeling_dcformer` first), and the tokenizer is saved beside it.
 """
@@ -553,6 +555,63 @@ def check_finite(model, what: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Several processes: say so when fewer run than were asked for
+# ----------------------------------------------------------------------------------------------------------------
+MULTI_CPU_ROUTES = (
+    "`accelerate launch --config_file examples/accelerate/multi_cpu_gloo.yaml examples/train_clm.py ... --use_cpu` "
+    "or `torchrun --nproc_per_node N examples/train_clm.py ... --use_cpu` (see docs/training.md)"
+)
+
+
+def launcher_command() -> list[str]:
+    """The command line of the process that started this one (e.g. `accelerate launch ...`), [] if unreadable."""
+    try:
+        import psutil  # a dependency of accelerate
+
+        return psutil.Process(os.getppid()).cmdline()
+    except Exception:
+        return []
+
+
+def num_processes_option(argv: list[str]) -> int | None:
+    """The value of `--num_processes N` (or `--num-processes`, `=N`) in a launcher's command line, if there."""
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name not in ("--num_processes", "--num-processes"):
+            continue
+        if not value and i + 1 < len(argv):
+            value = argv[i + 1]
+        return int(value) if value.isdigit() else None
+    return None
+
+
+def process_count_warning(env, world_size: int, launcher_argv: list[str]) -> str | None:
+    """A warning when fewer processes run than the launcher was asked for, else None. torchrun (and accelerate's
+    multi-process launchers) set WORLD_SIZE. `accelerate launch --cpu --num_processes N`, or a MULTI_CPU config
+    without an MPI hostfile, starts a single process without WORLD_SIZE; it sets ACCELERATE_USE_CPU, and
+    MASTER_ADDR only when given more than one process; N is read from its command line (`launcher_argv`)."""
+    if env.get("WORLD_SIZE", "").isdigit():
+        asked = int(env["WORLD_SIZE"])
+        if world_size >= asked:
+            return None
+        return (
+            f"the launcher asked for {asked} processes (WORLD_SIZE={asked}) but this run has {world_size}; for "
+            f"several processes on CPUs use {MULTI_CPU_ROUTES}"
+        )
+    if "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and world_size == 1:
+        asked = num_processes_option(launcher_argv)
+        if asked is not None and asked <= world_size:
+            return None
+        asked_text = f"{asked} processes" if asked else "several processes"
+        return (
+            f"accelerate launch was asked for {asked_text} but started only this one: with --cpu (or a MULTI_CPU "
+            f"config without an MPI hostfile) accelerate runs a single process. For several processes on CPUs use "
+            f"{MULTI_CPU_ROUTES}"
+        )
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
@@ -588,6 +647,9 @@ def main(argv=None):
         f"distributed {training_args.parallel_mode.value}, mixed precision "
         f"{'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'no'}"
     )
+    fewer_processes = process_count_warning(os.environ, training_args.world_size, launcher_command())
+    if fewer_processes:
+        logger.warning(fewer_processes)
     on_cpu = training_args.device.type == "cpu"
     if training_args.fp16 and on_cpu:
         logger.warning(

@@ -1,8 +1,9 @@
 """The DCFormer cache: keys, values and each key's composition factors, per layer.
 
-`DCFormerCache` holds one `DCFormerCacheLayer` per layer (growing; a local layer keeps only its window) or, with
-`max_cache_len`, one `DCFormerStaticCacheLayer` per layer (buffers written in place:
-`generate(..., cache_implementation="static")`). The attention fills it through `DCFormerCache.update_dcmha`.
+`DCFormerCache` holds one `DCFormerCacheLayer` per layer (growing; a local layer keeps only its window, and what a
+crop may need while recording) or, with `max_cache_len`, one `DCFormerStaticCacheLayer` per layer (buffers written
+in place: `generate(..., cache_implementation="static")`). The attention fills it through
+`DCFormerCache.update_dcmha`; assisted decoding rolls it back with `crop`.
 """
 
 import torch
@@ -29,15 +30,26 @@ class DCFormerLayerLength:
 class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
     """One layer's cache: keys and values [B, N, S, Dh] and each key's composition factors
     [B, S, G, Ck, 2I+1, M] (w1, w2 and the diagonal of the pre- and post-key slots: 10 N numbers a key with
-    I = 2, never N x N matrices). A local layer keeps only the last `window_size - 1` keys between steps."""
+    I = 2, never N x N matrices). A local layer keeps only the last `window_size - 1` keys between steps; after
+    `activate_past_recording()` it also keeps every key added since the last `crop`, so that the crop can roll
+    them back (assisted decoding), as transformers' `DynamicSlidingWindowLayer` does."""
 
     def __init__(self, window_size: int | None = None):
         super().__init__()
         self.window_size = window_size
         self.is_sliding = window_size is not None
-        self.is_croppable = window_size is None
+        self.record_past = False
         self.key_terms: torch.Tensor | None = None
         self.cumulative_length = 0
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can roll back what was added: always on a global layer, while recording on a local one."""
+        return self.window_size is None or self.record_past
+
+    def activate_past_recording(self) -> None:
+        """Keep, on a local layer, every key added until the next `crop` (which then goes back to the window)."""
+        self.record_past = True
 
     def update_dcmha(self, key, value, key_terms):
         if not self.is_initialized:
@@ -52,14 +64,31 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
             if key_terms is not None:
                 self.key_terms = torch.cat([self.key_terms, key_terms], dim=1)
         self.cumulative_length += key.shape[-2]
-        full = (self.keys, self.values, self.key_terms)
-        if self.window_size is not None and self.keys.shape[-2] > self.window_size - 1:
-            keep = self.window_size - 1
-            self.keys = self.keys[..., self.keys.shape[-2] - keep :, :]
-            self.values = self.values[..., self.values.shape[-2] - keep :, :]
-            if self.key_terms is not None:
-                self.key_terms = self.key_terms[:, self.key_terms.shape[1] - keep :]
+        if self.window_size is None:
+            return self.keys, self.values, self.key_terms
+        visible = min(self.keys.shape[-2], self.window_size - 1 + key.shape[-2])  # what this step's queries see
+        terms = None if self.key_terms is None else self.key_terms[:, -visible:]
+        full = (self.keys[:, :, -visible:], self.values[:, :, -visible:], terms)
+        if not self.record_past:
+            stored = self.keys.shape[-2]
+            self._keep(max(0, stored - self.window_size + 1), stored)
         return full
+
+    def _keep(self, start: int, end: int) -> None:
+        """Keep the stored tokens start..end-1. Copies them when most of the storage is dropped, so that a view
+        does not keep it alive."""
+        stored = self.keys.shape[-2]
+        if start == 0 and end == stored:
+            return
+        compact = end - start < stored - (end - start)
+
+        def keep(tensor, dim):
+            kept = tensor.narrow(dim, start, end - start)
+            return kept.clone(memory_format=torch.contiguous_format) if compact else kept
+
+        self.keys, self.values = keep(self.keys, 2), keep(self.values, 2)
+        if self.key_terms is not None:
+            self.key_terms = keep(self.key_terms, 1)
 
     def reset(self) -> None:
         super().reset()
@@ -70,15 +99,35 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         return -1 if self.window_size is None else self.window_size - 1
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
+        """Drop the last `-tokens_to_remove` tokens (transformers 5's convention), or keep the first
+        `tokens_to_remove` when it is positive (the earlier one). A local layer then goes back to its window
+        (`crop(0)` only does that); it can roll back only the keys it kept: on a recording layer, every key added
+        since the last crop."""
+        if not self.is_initialized:
             return
-        if self.window_size is not None:
-            raise ValueError("A local (sliding-window) DCFormer cache layer cannot be cropped: dropped keys are gone")
-        super().crop(tokens_to_remove)
-        if tokens_to_remove < 0 and self.is_initialized:
-            if self.key_terms is not None:
-                self.key_terms = self.key_terms[:, :tokens_to_remove]
-            self.cumulative_length = self.keys.shape[-2]
+        length = self.cumulative_length
+        if tokens_to_remove > 0:
+            remove = max(0, length - tokens_to_remove)
+        else:
+            remove = min(-tokens_to_remove, length)
+        stored = self.keys.shape[-2]
+        if self.window_size is None:
+            self._keep(0, stored - remove)
+            self.cumulative_length = length - remove
+            return
+        # the next step needs the window - 1 keys before the new end; while nothing was dropped, all of them
+        limit = length if stored == length else stored - (self.window_size - 1)
+        if remove > limit:
+            kept = "the last window_size - 1 keys"
+            if self.record_past:
+                kept = "the window_size - 1 keys before the last crop and every key added since"
+            raise ValueError(
+                f"cannot crop {remove} of the {length} tokens of a local DCFormer cache layer "
+                f"(window_size={self.window_size}): it can roll back at most {limit}, as it keeps only {kept}. "
+                "Call cache.activate_past_recording() before the steps to roll back (assisted decoding does)"
+            )
+        self._keep(stored - remove - min(self.window_size - 1, length - remove), stored - remove)
+        self.cumulative_length = length - remove
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -103,6 +152,7 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
 
     is_compileable = False  # the views grow with the cache: the attention's shapes are not static
     is_sliding = False
+    is_croppable = True  # every key stays in the buffers, a local layer's too: a crop loses nothing
 
     def __init__(self, max_cache_len: int, window_size: int | None = None):
         super().__init__()
@@ -148,9 +198,9 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
         self.cumulative_length = 0  # the buffers stay: the next sequence overwrites them
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Keep the first `tokens_to_remove` tokens (or drop the last -`tokens_to_remove` when negative), as
-        `DynamicLayer.crop` does."""
-        if tokens_to_remove < 0:
+        """Keep the first `tokens_to_remove` tokens, or drop the last -`tokens_to_remove` when negative (as
+        `DynamicLayer.crop` does); `crop(0)` removes nothing."""
+        if tokens_to_remove <= 0:
             self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
         elif tokens_to_remove < self.cumulative_length:
             self.cumulative_length = tokens_to_remove
@@ -196,6 +246,12 @@ class DCFormerCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length() if self.layers else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Crop every layer (see `DCFormerCacheLayer.crop`), the local ones first: they all saw the same tokens,
+        so if one refuses the crop, the first does, and the cache is left as it was."""
+        for layer in sorted(self.layers, key=lambda layer: not layer.is_sliding):
+            layer.crop(tokens_to_remove)
 
 
 __all__ = ["DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer"]

@@ -17,8 +17,30 @@ from .released_format import is_released_config, translate_released_config
 NORM_TYPES = ("layernorm", "rmsnorm")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DCMHA_IMPLEMENTATIONS = ("auto", "eager", "compiled", "kernel", "triton")
+DYNAMIC_INITS = ("authors", "normal")
 # Names added with `dcmha.DCMHAInterface.register` (a user's own backends): valid values too.
 REGISTERED_IMPLEMENTATIONS: set[str] = set()
+
+
+def check_attn_implementation(value: str, dcmha_implementation: str | None = None) -> str:
+    """`attn_implementation` for DCFormer is `dcmha_implementation` under transformers' name: returns `value` when it
+    is a DCMHA implementation, else a ValueError that says why transformers' attention functions cannot be used.
+    `dcmha_implementation`: a value given with it, which must agree."""
+    known = (*DCMHA_IMPLEMENTATIONS, *sorted(REGISTERED_IMPLEMENTATIONS))
+    if value in known:
+        if dcmha_implementation is not None and dcmha_implementation != value:
+            raise ValueError(
+                f"attn_implementation={value!r} and dcmha_implementation={dcmha_implementation!r} disagree: for "
+                "DCFormer they are two names of one choice; give one of them"
+            )
+        return value
+    raise ValueError(
+        f"attn_implementation={value!r} cannot compute DCFormer's attention: DCMHA composes the heads before and after "
+        "the softmax, and transformers' attention functions (sdpa, flash_attention_*, flex_attention, paged|*, Hub "
+        "kernels) compute plain attention. For DCFormer, attn_implementation is the same choice as the config field "
+        f"dcmha_implementation, one of {known}: 'auto' (the default) picks the fastest that applies, 'eager' is the "
+        "reference in PyTorch ops; see docs/implementations.md"
+    )
 
 
 def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[bool]:
@@ -85,13 +107,21 @@ class DCFormerConfig(PreTrainedConfig):
             mask, softmax and Compose in place between the two matrix products, a few query rows at a time in the
             core's cache; elsewhere it is an error that says why. `"triton"`: CUDA, forward and backward:
             flash-style Triton kernels (`triton_kernel.py`; `pip install triton`) that recompute the scores block
-            by block and never store a (heads x queries x keys) tensor; no `output_attentions`. On a CPU it runs
-            only under Triton's interpreter (`TRITON_INTERPRET=1`, slow: for tests).
+            by block and never store a (heads x queries x keys) tensor; calls with `output_attentions` run `"eager"`.
+            On a CPU it runs only under Triton's interpreter (`TRITON_INTERPRET=1`, slow: for tests).
             `"auto"`: `"kernel"` where it applies (CPU, nothing needs gradients: prefill, decoding, evaluation)
             and a C compiler is found; otherwise `"compiled"` for attention calls big enough to pay for
             it (training at real sizes) on a device torch.compile can generate code for (CPU with a C++ compiler,
             CUDA with Triton), else `"eager"`. If building either fails, a warning, and `"auto"` does without it.
             `"auto"` does not choose `"triton"` yet: its speed against `"compiled"` has not been measured on a GPU.
+            transformers' `attn_implementation` (config, `from_pretrained`, `from_config`, `set_attn_implementation`)
+            is a second name for this field; its own values ("sdpa", "flash_attention_2", ...) are an error.
+        dynamic_init (`str`, defaults to `"authors"`): how `dw1`, `qkw` and `dd` are initialised in a model built from
+            its config (training from scratch). `"authors"`: normal with the standard deviations of the authors'
+            training code, sqrt(2 / (D + K)) for dw1, sqrt(1 / K) * 2 / (M + I) * 0.01 for qkw and
+            sqrt(2 / (D + M)) * 0.005 for dd, so the composition starts close to the identity. `"normal"`: standard
+            deviation `initializer_range` for all three (this package's earlier default). Weights loaded from a
+            checkpoint and the Pythia converter's exact start are not affected.
     """
 
     model_type = "dcformer"
@@ -138,8 +168,11 @@ class DCFormerConfig(PreTrainedConfig):
     attention_chunk_size: int = 128
     attention_recompute: bool = True
     dcmha_implementation: str = "auto"
+    dynamic_init: str = "authors"
 
     def __post_init__(self, **kwargs):
+        if kwargs.get("attn_implementation") is not None and self.dcmha_implementation != "auto":  # given both
+            check_attn_implementation(kwargs["attn_implementation"], self.dcmha_implementation)
         # Pythia's name for the rotary fraction is accepted on the way in.
         if "rotary_pct" in kwargs:
             kwargs.setdefault("partial_rotary_factor", kwargs.pop("rotary_pct"))
@@ -163,6 +196,7 @@ class DCFormerConfig(PreTrainedConfig):
                 self.layer_types = ["sliding_attention" if f else "full_attention" for f in local]
         super().__post_init__(**kwargs)
         self.validate_dcmha()
+        self.validate_dynamic_init()
 
     # The checks are the strict dataclass's class validators (`validate_*`): called here first, so that a bad value
     # is a ValueError naming the field when the config is built, and run again by `config.validate()`, which
@@ -245,12 +279,21 @@ class DCFormerConfig(PreTrainedConfig):
                 "of rotary dimensions"
             )
 
+    def validate_dynamic_init(self):
+        if self.dynamic_init not in DYNAMIC_INITS:
+            raise ValueError(f"dynamic_init must be one of {DYNAMIC_INITS}, got {self.dynamic_init!r}")
+
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """Also accepts the authors' released config files (keys `dim`, `n_layer`, `n_head`, ...; model_type
         "dcpythia" or "dcformer"), translated to ours."""
         if is_released_config(config_dict):
             config_dict = translate_released_config(config_dict)
+        if kwargs.get("attn_implementation") is not None:  # a load's kwargs: transformers' name for ours, checked here
+            attn_implementation = kwargs.pop("attn_implementation")
+            kwargs["dcmha_implementation"] = check_attn_implementation(
+                attn_implementation, kwargs.get("dcmha_implementation")
+            )
         return super().from_dict(config_dict, **kwargs)
 
     @property
@@ -277,6 +320,33 @@ class DCFormerConfig(PreTrainedConfig):
     def num_composition_slots(self) -> int:
         """C: (pre-query, pre-key, post-query, post-key), or only the query slots when `query_wise`."""
         return 2 if self.query_wise else 4
+
+    # transformers' attention choice. DCMHA has implementations of its own and none of transformers' (sdpa, flash,
+    # flex): `attn_implementation` (config, `from_pretrained`, `from_config`, `set_attn_implementation`) is a second
+    # name for `dcmha_implementation`, and `_attn_implementation` reads it, so it always says what runs.
+    @property
+    def _attn_implementation(self) -> str:
+        return self.dcmha_implementation
+
+    @_attn_implementation.setter
+    def _attn_implementation(self, value: str | dict | None):
+        if isinstance(value, dict):  # transformers' per-sub-config form; DCFormer has no sub-configs
+            value = value.get("")
+        if value is not None:
+            self.dcmha_implementation = check_attn_implementation(value)
+
+    # Every DCMHA implementation returns the attention probabilities ("triton" leaves such calls to "eager"), so
+    # output_attentions needs no particular attn_implementation, unlike transformers' models (there only "eager").
+    @property
+    def output_attentions(self) -> bool:
+        return self._output_attentions
+
+    @output_attentions.setter
+    def output_attentions(self, value: bool):
+        self._output_attentions = value
+
+    def validate_output_attentions(self):
+        pass
 
     @classmethod
     def from_preset(cls, name: str, **kwargs) -> "DCFormerConfig":

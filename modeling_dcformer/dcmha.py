@@ -18,8 +18,7 @@ import importlib
 import importlib.util
 import os
 import shutil
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 from transformers.utils import logging
@@ -64,6 +63,7 @@ class DCMHAInputs:
     rank: int
     num_groups: int
     chunk_size: int
+    _time_last: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def shapes(self) -> tuple[int, int, int, int, int]:
@@ -104,10 +104,19 @@ class DCMHAInputs:
         """Whether autograd records this call (some input requires a gradient and grad mode is on)."""
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in self.tensors())
 
+    @property
+    def symbolic_lengths(self) -> bool:
+        """Whether the lengths or start indices are symbolic (torch.export's dynamic dims, torch.compile's dynamic
+        shapes): then the number of chunks cannot depend on them."""
+        _, _, T, S, _ = self.shapes
+        return not all(isinstance(n, int) for n in (T, S, self.query_start, self.key_start))
+
     def chunk_spans(self) -> list[tuple[int, int, int, int]]:
         """(t0, t1, s0, s1) for each chunk of queries: queries [t0, t1) and the keys [s0, s1) they can see (indices
-        into the call's queries and keys)."""
+        into the call's queries and keys). With symbolic lengths, one chunk: every query against every key, masked."""
         _, _, T, S, _ = self.shapes
+        if self.symbolic_lengths:
+            return [(0, T, 0, S)]
         spans = []
         for t0 in range(0, T, self.queries_per_chunk):
             t1 = min(T, t0 + self.queries_per_chunk)
@@ -118,8 +127,9 @@ class DCMHAInputs:
         return spans
 
     def chunk_is_masked(self, t0: int, t1: int, s0: int, s1: int) -> bool:
-        """Whether some query of the chunk cannot see some key of [s0, s1) (padding counts)."""
-        if self.key_padding_mask is not None:
+        """Whether some query of the chunk cannot see some key of [s0, s1) (padding counts; with symbolic lengths,
+        always: the chunk is the whole call)."""
+        if self.key_padding_mask is not None or self.symbolic_lengths:
             return True
         first, last = self.query_start + t0, self.query_start + t1 - 1
         sees_all = self.key_start + s1 - 1 <= first and (
@@ -127,12 +137,12 @@ class DCMHAInputs:
         )
         return not sees_all
 
-    @cached_property
-    def _time_last(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return time_last(self.query_terms), time_last(self.key_terms)
-
     def time_last_terms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The factors with time last and contiguous: [B, G, 2, 2I+1, M, T] and [B, G, 2, 2I+1, M, S] (or None)."""
+        """The factors with time last and contiguous: [B, G, 2, 2I+1, M, T] and [B, G, 2, 2I+1, M, S] (or None).
+        Computed once per call (a plain attribute, not functools.cached_property, whose lock torch.compile cannot
+        trace)."""
+        if self._time_last is None:
+            self._time_last = (time_last(self.query_terms), time_last(self.key_terms))
         return self._time_last
 
 
@@ -241,10 +251,8 @@ class DCMHAInterface(GeneralInterface):
 def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):
     """"auto": the CPU kernel wherever it can compute the call (CPU, no gradient needed); else "compiled" for calls
     big enough to pay for compilation (`AUTO_COMPILE_MIN_SCORES`) where torch.compile can generate code; else
-    "eager". Inside an enclosing torch.compile, "eager": the enclosing graph fuses it."""
+    "eager". (Under torch.compile or torch.export, `dcmha_attention` runs "eager" without asking.)"""
     backends = DCMHA_BACKENDS
-    if torch.compiler.is_compiling():
-        return backends["eager"]
     if backends["kernel"].why_not(inputs, output_attentions) is None:
         return backends["kernel"]
     if inputs.num_scores >= AUTO_COMPILE_MIN_SCORES and backends["compiled"].why_not(inputs, output_attentions) is None:
@@ -252,14 +260,23 @@ def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):
     return backends["eager"]
 
 
+# Under torch.compile or torch.export these run the eager chunks: the tracer records PyTorch ops, which the enclosing
+# compiler fuses (an exported program holds them, and needs neither the CPU kernel nor a compiler to run).
+TRACED_AS_EAGER = ("auto", "compiled", "kernel")
+
+
 def dcmha_attention(
     inputs: DCMHAInputs, implementation: str = "auto", *, output_attentions: bool = False, recompute: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """DCMHA with the implementation named `implementation` ("auto": `choose_auto`). Returns the output
-    [B, T, N, Dh] and, with `output_attentions`, the composed probabilities [B, N, T, S] (fp32). Plain attention
-    (no composition terms) always runs "eager" (SDPA): the implementations differ only in Compose."""
-    if not inputs.composed:
-        return DCMHA_BACKENDS["eager"](inputs, output_attentions=output_attentions, recompute=recompute)
+    [B, T, N, Dh] and, with `output_attentions`, the composed probabilities [B, N, T, S] (fp32) it was computed from.
+    Plain attention (no composition terms) always runs "eager" (SDPA): the implementations differ only in Compose.
+    Under torch.compile or torch.export, "auto", "compiled" and "kernel" run "eager" (`TRACED_AS_EAGER`). A backend
+    that can compute the call but cannot return the probabilities ("triton") leaves an output_attentions call to
+    "eager", with a warning once."""
+    eager = DCMHA_BACKENDS["eager"]
+    if not inputs.composed or (torch.compiler.is_compiling() and implementation in TRACED_AS_EAGER):
+        return eager(inputs, output_attentions=output_attentions, recompute=recompute)
     if implementation == "auto":
         backend = choose_auto(inputs, output_attentions)
     else:
@@ -269,19 +286,29 @@ def dcmha_attention(
                 f"{['auto', *DCMHA_BACKENDS]}"
             )
         backend = DCMHA_BACKENDS[implementation]
-        problem = backend.why_not(inputs, output_attentions) if hasattr(backend, "why_not") else None
+        why_not = getattr(backend, "why_not", lambda inputs, output_attentions: None)
+        problem = why_not(inputs, output_attentions)
+        if problem is not None and output_attentions:
+            problem_without = why_not(inputs, False)
+            if problem_without is None:
+                logger.warning_once(
+                    f'dcmha_implementation="{implementation}": {problem}; calls with output_attentions=True run '
+                    '"eager" instead (the same numbers)'
+                )
+                backend = eager
+            problem = problem_without
         if problem is not None:
             raise ValueError(
                 f'dcmha_implementation="{implementation}" cannot compute this attention: {problem}. '
                 'Use "auto" (the CPU kernel where it applies, "compiled" or "eager" elsewhere).'
             )
-    if implementation != "auto" or backend is DCMHA_BACKENDS["eager"]:
+    if implementation != "auto" or backend is eager:
         return backend(inputs, output_attentions=output_attentions, recompute=recompute)
     try:
         return backend(inputs, output_attentions=output_attentions, recompute=recompute)
     except Exception as err:  # "auto" only: a machine where the backend cannot build its code
         backend.record_failure(err)
-        return DCMHA_BACKENDS["eager"](inputs, output_attentions=output_attentions, recompute=recompute)
+        return eager(inputs, output_attentions=output_attentions, recompute=recompute)
 
 
 def compile_supported(device: torch.device) -> bool:

@@ -94,6 +94,53 @@ def stage_apply(
 EAGER_STAGES = (stage_hidden, stage_apply)
 
 
+def chunk_probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    query_terms: torch.Tensor | None,
+    key_terms: torch.Tensor | None,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    window_size: int | None,
+    masked: bool,
+    rank: int,
+    num_groups: int,
+    stages: tuple = EAGER_STAGES,
+) -> torch.Tensor:
+    """The attention probabilities [B, N, c, s] (fp32) of one chunk of queries against the keys it may see: q.k,
+    Compose (pre slot), mask, softmax, Compose (post slot); keys a query cannot see get 0. Arguments as in
+    `attend_chunk`."""
+    B, N, c, Dh = q.shape
+    s = k.shape[2]
+    scale = Dh**-0.5
+    pre_fill = torch.finfo(torch.float32).min if masked else None
+    # without padding, masked keys come out of the softmax as exact zeros and Compose keeps them zero
+    post_fill = 0.0 if key_padding_mask is not None else None
+    if query_terms is None:  # plain multi-head attention (use_dcmha=False)
+        allowed = visible_keys(q_pos, k_pos, window_size, key_padding_mask) if masked else None
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1)
+        if allowed is not None and post_fill is not None:
+            probs = probs.masked_fill(~allowed, post_fill)
+        return probs
+    hidden_fn, apply_fn = stages
+    G, M = num_groups, N // num_groups
+    mask = (q_pos, k_pos, key_padding_mask, window_size)
+    # each slot copied to standard strides: the compiled stages see no strides to specialise on
+    pre_q, post_q = packed(query_terms[:, :, 0]), packed(query_terms[:, :, 1])
+    pre_k = None if key_terms is None else packed(key_terms[:, :, 0])
+    post_k = None if key_terms is None else packed(key_terms[:, :, 1])
+    raw = torch.matmul(q, k.transpose(-1, -2)).float().view(B, G, M, c, s)
+    hidden = hidden_fn(raw, pre_q, pre_k, scale, rank)
+    scores = apply_fn(raw, pre_q, pre_k, *hidden, *mask, scale, pre_fill, rank)
+    probs = torch.softmax(scores, dim=-1).view(B, G, M, c, s)
+    hidden = hidden_fn(probs, post_q, post_k, 1.0, rank)
+    return apply_fn(probs, post_q, post_k, *hidden, *mask, 1.0, post_fill, rank)
+
+
 def attend_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,42 +157,17 @@ def attend_chunk(
     need_probs: bool = True,
     stages: tuple = EAGER_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """DCMHA of one chunk of queries against the keys it may see: q.k, Compose (pre slot), mask, softmax, Compose
-    (post slot), @ v. q [B, N, c, Dh], k and v [B, N, s, Dh]; query_terms [B, G, 2, 2I+1, M, c] and key_terms
-    [B, G, 2, 2I+1, M, s] (slots pre, post; time last) or None; q_pos [c], k_pos [s] absolute positions;
-    key_padding_mask [B, s] bool or None; `masked`: whether some query of the chunk cannot see some key (False
-    for a decode step without padding: no mask is applied). `stages`: (stage_hidden, stage_apply), or their
-    compiled versions. Returns the output [B, c, N, Dh] and the probabilities [B, N, c, s] (fp32) if asked."""
-    B, N, c, Dh = q.shape
-    s = k.shape[2]
-    scale = Dh**-0.5
-    pre_fill = torch.finfo(torch.float32).min if masked else None
-    # without padding, masked keys come out of the softmax as exact zeros and Compose keeps them zero
-    post_fill = 0.0 if key_padding_mask is not None else None
-    if query_terms is None:  # plain multi-head attention (use_dcmha=False)
+    """DCMHA of one chunk of queries against the keys it may see: `chunk_probabilities`, then @ v. q [B, N, c, Dh],
+    k and v [B, N, s, Dh]; query_terms [B, G, 2, 2I+1, M, c] and key_terms [B, G, 2, 2I+1, M, s] (slots pre, post;
+    time last) or None; q_pos [c], k_pos [s] absolute positions; key_padding_mask [B, s] bool or None; `masked`:
+    whether some query of the chunk cannot see some key (False for a decode step without padding: no mask is
+    applied). `stages`: (stage_hidden, stage_apply), or their compiled versions. Returns the output [B, c, N, Dh]
+    and the probabilities [B, N, c, s] (fp32) that gave it, if asked."""
+    if query_terms is None and not need_probs:  # plain attention: SDPA's fused kernel (rows with no visible key: 0)
         allowed = visible_keys(q_pos, k_pos, window_size, key_padding_mask) if masked else None
-        if not need_probs:  # SDPA's fused kernel (rows with no visible key: 0)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2), None
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1)
-        if allowed is not None and post_fill is not None:
-            probs = probs.masked_fill(~allowed, post_fill)
-    else:
-        hidden_fn, apply_fn = stages
-        G, M = num_groups, N // num_groups
-        mask = (q_pos, k_pos, key_padding_mask, window_size)
-        # each slot copied to standard strides: the compiled stages see no strides to specialise on
-        pre_q, post_q = packed(query_terms[:, :, 0]), packed(query_terms[:, :, 1])
-        pre_k = None if key_terms is None else packed(key_terms[:, :, 0])
-        post_k = None if key_terms is None else packed(key_terms[:, :, 1])
-        raw = torch.matmul(q, k.transpose(-1, -2)).float().view(B, G, M, c, s)
-        hidden = hidden_fn(raw, pre_q, pre_k, scale, rank)
-        scores = apply_fn(raw, pre_q, pre_k, *hidden, *mask, scale, pre_fill, rank)
-        probs = torch.softmax(scores, dim=-1).view(B, G, M, c, s)
-        hidden = hidden_fn(probs, post_q, post_k, 1.0, rank)
-        probs = apply_fn(probs, post_q, post_k, *hidden, *mask, 1.0, post_fill, rank)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2), None
+    args = (q_pos, k_pos, key_padding_mask, window_size, masked, rank, num_groups, stages)
+    probs = chunk_probabilities(q, k, query_terms, key_terms, *args)
     out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
     return out, (probs if need_probs else None)
 
@@ -160,43 +182,65 @@ class EagerBackend(DCMHABackend):
 
     def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
         B, N, T, S, Dh = inputs.shapes
-        device = inputs.query.device
         if not inputs.composed and not output_attentions and inputs.plain_causal:
             # plain causal attention over the whole call: one SDPA call, causal by its own flag
             out = F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value, is_causal=T > 1)
             return out.transpose(1, 2), None
-        q, k, v = inputs.query, inputs.key, inputs.value
-        qt, kt = inputs.time_last_terms()
-        q_pos = torch.arange(inputs.query_start, inputs.query_start + T, device=device)
-        k_pos = torch.arange(inputs.key_start, inputs.key_start + S, device=device)
-        pad = inputs.key_padding_mask
-        probs_all = q.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
-        recompute = recompute and not output_attentions
+        q, v = inputs.query, inputs.value
+        spans = inputs.chunk_spans()
+        if not spans:
+            probs = q.new_zeros(B, N, 0, S, dtype=torch.float32) if output_attentions else None
+            return q.new_zeros(B, 0, N, v.shape[-1]), probs
+        if output_attentions:
+            return self.attend_with_probabilities(inputs, spans)
         outputs = []
-        for t0, t1, s0, s1 in inputs.chunk_spans():
-            args = (
-                q[:, :, t0:t1],
-                k[:, :, s0:s1],
-                v[:, :, s0:s1],
-                None if qt is None else qt[..., t0:t1],
-                None if kt is None else kt[..., s0:s1],
-                q_pos[t0:t1],
-                k_pos[s0:s1],
-                None if pad is None else packed(pad[:, s0:s1]),
-                inputs.window_size,
-                inputs.chunk_is_masked(t0, t1, s0, s1),
-                inputs.rank,
-                inputs.num_groups,
-                output_attentions,
-                self.stages,
-            )
+        for span in spans:
+            args = (*self.chunk_arguments(inputs, span, with_values=True), False, self.stages)
             if recompute:
-                out, probs = torch.utils.checkpoint.checkpoint(attend_chunk, *args, use_reentrant=False)
+                out, _ = torch.utils.checkpoint.checkpoint(attend_chunk, *args, use_reentrant=False)
             else:
-                out, probs = attend_chunk(*args)
-            if probs_all is not None:
-                probs_all[:, :, t0:t1, s0:s1] = probs.view(B, N, t1 - t0, s1 - s0)
+                out, _ = attend_chunk(*args)
             outputs.append(out)
-        if not outputs:
-            return q.new_zeros(B, 0, N, v.shape[-1]), probs_all
-        return join_chunks(outputs), probs_all
+        return join_chunks(outputs), None
+
+    def attend_with_probabilities(self, inputs: DCMHAInputs, spans: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """output_attentions: the probabilities of every chunk in one [B, N, T, S] tensor (0 for the keys a chunk does
+        not see), and the output computed from that tensor, so that the attentions returned are the ones used (they
+        carry the output's gradient, as transformers' eager attention does)."""
+        _, _, _, S, _ = inputs.shapes
+        rows = []
+        for span in spans:
+            probs = chunk_probabilities(*self.chunk_arguments(inputs, span, with_values=False), self.stages)
+            _, _, s0, s1 = span
+            rows.append(F.pad(probs, (s0, S - s1)))
+        probs = rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
+        v = inputs.value
+        outputs = [
+            torch.matmul(probs[:, :, t0:t1, s0:s1].to(v.dtype), v[:, :, s0:s1]).transpose(1, 2)
+            for t0, t1, s0, s1 in spans
+        ]
+        return join_chunks(outputs), probs
+
+    @staticmethod
+    def chunk_arguments(inputs: DCMHAInputs, span: tuple, with_values: bool) -> tuple:
+        """The arguments of `attend_chunk` (with the values) or `chunk_probabilities` for the chunk `span`, up to
+        `num_groups`."""
+        t0, t1, s0, s1 = span
+        device = inputs.query.device
+        qt, kt = inputs.time_last_terms()
+        pad = inputs.key_padding_mask
+        values = (inputs.value[:, :, s0:s1],) if with_values else ()
+        return (
+            inputs.query[:, :, t0:t1],
+            inputs.key[:, :, s0:s1],
+            *values,
+            None if qt is None else qt[..., t0:t1],
+            None if kt is None else kt[..., s0:s1],
+            torch.arange(inputs.query_start + t0, inputs.query_start + t1, device=device),
+            torch.arange(inputs.key_start + s0, inputs.key_start + s1, device=device),
+            None if pad is None else packed(pad[:, s0:s1]),
+            inputs.window_size,
+            inputs.chunk_is_masked(t0, t1, s0, s1),
+            inputs.rank,
+            inputs.num_groups,
+        )

@@ -7,18 +7,27 @@ A saved model directory holds, besides `config.json` and the weights:
   installed. Where it is installed (and imported), transformers prefers the registered classes and never runs the
   copies, with or without `trust_remote_code`.
 - a model card `README.md` (YAML metadata for the Hub, usage, architecture, provenance, evaluation results).
-  A card this package generated is refreshed on every save; any other README.md is kept unless asked.
+  A card this package generated is refreshed on every save; any other README.md is kept unless asked. Only
+  lm-eval runs over every row of a Hub dataset's split enter its `model-index`; smoke runs are labelled in the
+  text. The results stay in `config.json` (`lm_eval_results`) with a fingerprint of the weights they measured,
+  so that a reloaded model saved again keeps them while its weights are those.
+`Trainer.create_model_card` (called by `Trainer.push_to_hub`) is wrapped to keep a DCFormer model's card, merged
+with Trainer's (`keep_card_under_trainer`).
 
 This file travels with the model as remote code too (it imports only the standard library, `huggingface_hub` and
-`transformers`), so that a model loaded with `trust_remote_code=True` saves and pushes the same way.
+`transformers`; torch in `weights_fingerprint`), so that a model loaded with `trust_remote_code=True` saves and
+pushes the same way.
 """
 
 import errno
+import functools
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +52,12 @@ CITATION = """@inproceedings{xiao2024dcformer,
   year      = {2024}
 }"""
 EVAL_SKIP_KEYS = ("alias", "name", "sample_len", "samples")
+EVAL_SOURCE_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
+# lm-eval `dataset_path` values that read local files, not a Hub dataset
+LOCAL_DATASET_PATHS = ("json", "csv", "parquet", "text", "arrow")
+# The config attribute (so config.json's key) that keeps the card's lm-eval results with the weights they measured
+CONFIG_EVAL_KEY = "lm_eval_results"
+MODEL_TAGS = ("dcformer", "dcmha")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,14 +131,7 @@ def _number(value) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def read_eval_results(eval_results) -> tuple[list[tuple[str, str, float, float | None]], str | None]:
-    """lm-eval results -> ([(task, metric, value, stderr or None)], note).
-
-    `eval_results`: what `dcformer-eval` / lm-eval write or return (a dict with a "results" mapping, or that
-    mapping itself: {task: {"acc,none": v, "acc_stderr,none": s, ...}}), or the path of such a JSON file, or of a
-    directory (its newest `results*.json`, as `--output_path` leaves them). A filter other than "none" stays in the
-    metric's name ("exact_match,strip"). The note says when lm-eval ran on a `limit`.
-    """
+def _load_eval_results(eval_results) -> dict:
     if isinstance(eval_results, (str, os.PathLike)):
         path = Path(eval_results)
         if path.is_dir():
@@ -134,14 +142,66 @@ def read_eval_results(eval_results) -> tuple[list[tuple[str, str, float, float |
         eval_results = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(eval_results, dict):
         raise ValueError(f"eval_results must be lm-eval results (a dict or a JSON file), got {type(eval_results)}")
-    config = eval_results.get("config")
-    limit = config.get("limit") if isinstance(config, dict) else None
-    note = f"lm-eval ran with limit={limit}: a subset of each task, not the full benchmark." if limit else None
-    tasks = eval_results["results"] if isinstance(eval_results.get("results"), dict) else eval_results
-    rows = []
+    return eval_results
+
+
+def _why_not_a_benchmark(task: str, task_config: dict | None, limit, samples: dict) -> str | None:
+    """None when lm-eval scored the whole of a Hub dataset's split for `task`; else why the numbers do not measure
+    the benchmark."""
+    if limit:
+        return f"lm-eval ran with limit={limit}: a subset of the rows"
+    effective, original = samples.get("effective"), samples.get("original")
+    if isinstance(effective, int) and isinstance(original, int) and effective < original:
+        return f"{effective} of the task's {original} rows"
+    if task.endswith("_local"):
+        return "an offline copy of the task, on local rows (by default the small fixtures bundled with the package)"
+    if task_config is None or not task_config.get("dataset_path") or not _eval_split(task_config):
+        return "lm-eval recorded no dataset and split for it"
+    if task_config["dataset_path"] in LOCAL_DATASET_PATHS or task_config.get("custom_dataset"):
+        return "run on local data files, not a Hub dataset"
+    return None
+
+
+def _eval_split(task_config: dict) -> str | None:
+    return task_config.get("test_split") or task_config.get("validation_split")  # the one lm-eval scores
+
+
+def read_eval_results(eval_results) -> dict:
+    """lm-eval results -> {"source": "lm-evaluation-harness VERSION", "results": [record, ...]}, one record per
+    task and metric: task, metric, value, stderr, num_fewshot, dataset, dataset_config, split, samples, and
+    `smoke`: None where lm-eval scored the whole of a Hub dataset's split, else why the numbers are no benchmark
+    result (a `limit`, an offline `*_local` task, local data files, no record of the dataset). Only records with
+    `smoke` None go into a card's `model-index`.
+
+    `eval_results`: what `dcformer-eval` / lm-eval write or return (a dict with a "results" mapping, or that
+    mapping itself: {task: {"acc,none": v, "acc_stderr,none": s, ...}}), the path of such a JSON file or of a
+    directory (its newest `results*.json`, as `--output_path` leaves them), or this function's own output. A
+    filter other than "none" stays in the metric's name ("exact_match,strip").
+    """
+    data = _load_eval_results(eval_results)
+    if isinstance(data.get("results"), list):  # already read: a saved config's lm_eval_results
+        return {"source": str(data.get("source") or "lm-evaluation-harness"), "results": list(data["results"])}
+    section = lambda name: data[name] if isinstance(data.get(name), dict) else {}  # noqa: E731
+    limit = section("config").get("limit")
+    version = data.get("lm_eval_version")
+    source = "lm-evaluation-harness" + (f" {version}" if isinstance(version, str) and version[:1].isdigit() else "")
+    tasks = data["results"] if isinstance(data.get("results"), dict) else data
+    records = []
     for task, metrics in tasks.items():
         if not isinstance(metrics, dict):
             raise ValueError(f"eval_results: task {task!r} has no metrics mapping (lm-eval's results[task][metric])")
+        task_config = section("configs").get(task)
+        task_config = task_config if isinstance(task_config, dict) else None
+        samples = section("n-samples").get(task)
+        samples = samples if isinstance(samples, dict) else {}
+        common = dict(
+            num_fewshot=section("n-shot").get(task),
+            dataset=(task_config or {}).get("dataset_path"),
+            dataset_config=(task_config or {}).get("dataset_name"),
+            split=_eval_split(task_config or {}),
+            samples=samples.get("effective"),
+            smoke=_why_not_a_benchmark(task, task_config, limit, samples),
+        )
         for key, value in metrics.items():
             if key in EVAL_SKIP_KEYS or "," not in key:
                 continue
@@ -150,10 +210,65 @@ def read_eval_results(eval_results) -> tuple[list[tuple[str, str, float, float |
             if metric.endswith("_stderr") or number is None:
                 continue
             name = metric if filt == "none" else f"{metric},{filt}"
-            rows.append((task, name, number, _number(metrics.get(f"{metric}_stderr,{filt}"))))
-    if not rows:
+            stderr = _number(metrics.get(f"{metric}_stderr,{filt}"))
+            records.append(dict(task=task, metric=name, value=number, stderr=stderr, **common))
+    if not records:
         raise ValueError("eval_results holds no metric (expected lm-eval's results[task]['acc,none'] and the like)")
-    return rows, note
+    return {"source": source, "results": records}
+
+
+def _evaluation_lines(results: dict) -> list[str]:
+    """The card's "Evaluation" section: whole-benchmark results (also in the model-index), then smoke runs."""
+    stderr = lambda record: "" if record["stderr"] is None else f"{record['stderr']:.4f}"  # noqa: E731
+    full = [r for r in results["results"] if r["smoke"] is None]
+    smoke = [r for r in results["results"] if r["smoke"] is not None]
+    lines = ["", "## Evaluation"]
+    if full:
+        lines += [
+            "",
+            f"[{results['source']}]({EVAL_SOURCE_URL}), every row of each task's split (these are also the card's "
+            "`model-index`):",
+            "",
+            "| task | dataset | split | n-shot | metric | value | stderr |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in full:
+            shots = "" if r["num_fewshot"] is None else r["num_fewshot"]
+            dataset = r["dataset"] + (f" ({r['dataset_config']})" if r["dataset_config"] else "")
+            lines.append(
+                f"| {r['task']} | {dataset} | {r['split']} | {shots} | {r['metric']} | {r['value']:.4f} | {stderr(r)} |"
+            )
+    if smoke:
+        lines += [
+            "",
+            "### Smoke runs: not benchmark results",
+            "",
+            f"These numbers from {results['source']} only show that the model runs under lm-eval: they do not measure "
+            "the benchmarks, and the card's `model-index` leaves them out.",
+            "",
+            "| task | metric | value | stderr | why it is no benchmark result |",
+            "|---|---|---|---|---|",
+        ]
+        for r in smoke:
+            lines.append(f"| {r['task']} | {r['metric']} | {r['value']:.4f} | {stderr(r)} | {r['smoke']} |")
+    return lines
+
+
+def _model_index_entry(record: dict, source: str):
+    from huggingface_hub import EvalResult
+
+    return EvalResult(
+        task_type="text-generation",
+        dataset_type=record["dataset"],
+        dataset_name=record["task"],
+        dataset_config=record["dataset_config"],
+        dataset_split=record["split"],
+        metric_type=record["metric"].split(",")[0],
+        metric_name=record["metric"],
+        metric_value=record["value"],
+        source_name=source,
+        source_url=EVAL_SOURCE_URL,
+    )
 
 
 def _architecture_lines(config) -> list[str]:
@@ -207,9 +322,9 @@ def _provenance(config, base_model: str | None) -> str | None:
     if getattr(config, "converted_from_model_type", None) == "gpt_neox":
         conversion = getattr(config, "conversion", None) or {}
         text = (
-            f"Built from the GPT-NeoX checkpoint {link} by `dcformer-convert-pythia` (modeling_dcformer.conversion.pythia_to_dcpythia), which keeps the "
-            "source's body and weights and initialises the DCMHA composition weights so that every new weight is "
-            "trainable"
+            f"Built from the GPT-NeoX checkpoint {link} by `dcformer-convert-pythia` "
+            "(modeling_dcformer.conversion.pythia_to_dcpythia), which keeps the source's body and weights and "
+            "initialises the DCMHA composition weights so that every new weight is trainable"
         )
         if conversion.get("exact", True):
             text += " and the converted model computes exactly the source's function"
@@ -238,9 +353,10 @@ def model_card(
 
     `base_model`: the Hub id the model comes from; by default the source of a converted model
     (`config.converted_from`) when that is a Hub id. `eval_results`: lm-eval results (see `read_eval_results`),
-    written as the card's `model-index` and as a table. `repo_id`: used in the usage snippet.
+    written as a table; only whole-benchmark runs go into the card's `model-index`, smoke runs are labelled so in
+    the text. `repo_id`: used in the usage snippet.
     """
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCard, ModelCardData
 
     if base_model is None and is_hub_id(getattr(config, "converted_from", None)):
         base_model = config.converted_from
@@ -266,17 +382,22 @@ def model_card(
         "",
         "```python",
         'import modeling_dcformer  # registers the model type "dcformer" with the Auto classes',
-        "from transformers import AutoModelForCausalLM",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{model_id}")',
         f'model = AutoModelForCausalLM.from_pretrained("{model_id}")',
+        'inputs = tokenizer("The harbour town wakes before the boats", return_tensors="pt")',
+        "output = model.generate(**inputs, max_new_tokens=32, do_sample=False)",
+        "print(tokenizer.decode(output[0], skip_special_tokens=True))",
         "```",
         "",
         "Anywhere else, the code stored beside the weights (`modeling_dcformer.py`, `configuration_dcformer.py`, ...) "
-        "runs instead:",
+        "runs instead (only torch and transformers needed), and `generate` works the same:",
         "",
         "```python",
-        "from transformers import AutoModelForCausalLM",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{model_id}")',
         f'model = AutoModelForCausalLM.from_pretrained("{model_id}", trust_remote_code=True)',
         "```",
         "",
@@ -286,31 +407,16 @@ def model_card(
     ]
     evals = []
     if eval_results is not None:
-        rows, note = read_eval_results(eval_results)
-        lines += ["", "## Evaluation", "", "lm-evaluation-harness:", ""]
-        lines += ["| task | metric | value | stderr |", "|---|---|---|---|"]
-        for task, metric, value, stderr in rows:
-            lines.append(f"| {task} | {metric} | {value:.4f} | {'' if stderr is None else f'{stderr:.4f}'} |")
-            dataset = task.removesuffix("_local")
-            evals.append(
-                EvalResult(
-                    task_type="text-generation",
-                    dataset_type=dataset,
-                    dataset_name=task,
-                    metric_type=metric.split(",")[0],
-                    metric_name=metric,
-                    metric_value=value,
-                )
-            )
-        if note:
-            lines += ["", note]
+        results = read_eval_results(eval_results)
+        lines += _evaluation_lines(results)
+        evals = [_model_index_entry(r, results["source"]) for r in results["results"] if r["smoke"] is None]
     lines += ["", "## Citation", "", "```bibtex", CITATION, "```", ""]
     data = ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
         license=license,
         base_model=base_model,
-        tags=list(dict.fromkeys(["dcformer", "dcmha", *(tags or [])])),
+        tags=list(dict.fromkeys([*MODEL_TAGS, *(tags or [])])),
         model_name=model_name if evals else None,
         eval_results=evals or None,
     )
@@ -333,8 +439,64 @@ def write_model_card(
         logger.info(f"{path} was not generated by modeling_dcformer: kept (overwrite=True replaces it)")
         return None
     name = model_name or (repo_id.split("/")[-1] if repo_id else Path(save_directory).resolve().name)
-    model_card(config, model_name=name, repo_id=repo_id, **card_kwargs).save(path)
+    text = str(model_card(config, model_name=name, repo_id=repo_id, **card_kwargs))
+    _replace_file(path, text)
     return path
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary sibling: a reader sees the old file or the new one, whole."""
+    tmp = path.with_name(f".{path.name}.writing")
+    tmp.write_text(text, encoding="utf-8", newline="")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What a save keeps: tags, and the lm-eval results of the weights being saved
+# ----------------------------------------------------------------------------------------------------------------
+def weights_fingerprint(model) -> str | None:
+    """sha256 over the model's state dict (names, dtypes, shapes, bytes): which weights lm-eval results measured.
+    None where a tensor is not all here (the meta device of an offloaded model, a tensor-parallel shard)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if type(tensor) is not torch.Tensor or tensor.device.type == "meta":  # a DTensor shard, an offloaded tensor
+            return None
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return "sha256:" + digest.hexdigest()
+
+
+def card_options(model, model_card: bool | dict = True) -> dict | None:
+    """The `write_model_card` options of a save of `model` (None: no card), with the model's tags and its lm-eval
+    results. Results given as `eval_results` are also kept in `model.config.lm_eval_results`, with the fingerprint
+    of the weights they measured, so that the saved config.json carries them: a reloaded model saved again keeps
+    them in its card, as long as its weights are those (a model trained since drops them, with a warning). Call it
+    before the config is written."""
+    if not model_card:
+        return None
+    options = dict(model_card) if isinstance(model_card, dict) else {}
+    options["tags"] = list(dict.fromkeys([*(getattr(model, "model_tags", None) or []), *(options.get("tags") or [])]))
+    given, kept = options.get("eval_results"), getattr(model.config, CONFIG_EVAL_KEY, None)
+    if given is None and not kept:
+        return options
+    fingerprint = weights_fingerprint(model)
+    if given is not None:
+        options["eval_results"] = read_eval_results(given)
+        if fingerprint is not None:
+            setattr(model.config, CONFIG_EVAL_KEY, {**options["eval_results"], "weights": fingerprint})
+        elif kept is not None:  # the results cannot be tied to these weights: the config keeps none
+            delattr(model.config, CONFIG_EVAL_KEY)
+    elif isinstance(kept, dict) and fingerprint is not None and kept.get("weights") == fingerprint:
+        options["eval_results"] = read_eval_results(kept)
+    else:
+        logger.warning(
+            f"the lm-eval results in the config ({CONFIG_EVAL_KEY}) were measured on other weights than the ones "
+            "saved now (the model changed since): left out of the model card and of the saved config"
+        )
+        delattr(model.config, CONFIG_EVAL_KEY)
+    return options
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -419,6 +581,37 @@ def push_folder(
     return upload_folder(folder, create_repo(repo_id, private=private, token=token), token=token, **upload_kwargs)
 
 
+class HubUploadError(OSError):
+    """A save whose upload to the Hub failed after the local directory was written in full."""
+
+
+def upload_saved(
+    model,
+    directory: str | os.PathLike,
+    repo_id: str,
+    card: dict | None = None,
+    *,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    **upload_kwargs,
+):
+    """The upload of `save_pretrained(..., push_to_hub=True)`, once `directory` is complete: `create_repo`, the card
+    pointed at the full repository id where the Hub added a namespace (`card`: the card's options, None if none),
+    then `upload_folder`. Any failure raises `HubUploadError`, saying that the directory is complete and how to
+    retry the upload."""
+    try:
+        full_id = create_repo(repo_id, private=private, token=token)
+        if card is not None and full_id != card.get("repo_id"):
+            write_model_card(directory, model.config, **{**card, "repo_id": full_id})
+        return upload_folder(directory, full_id, token=token, **upload_kwargs)
+    except Exception as err:
+        raise HubUploadError(
+            f"saved the model to {directory} (complete: it loads with from_pretrained), but uploading it to the Hub "
+            f"repository {repo_id!r} failed: {type(err).__name__}: {err}. Retry the upload alone with "
+            f"`hf upload {repo_id} {directory}`, or with `model.push_to_hub({repo_id!r})`"
+        ) from err
+
+
 def finish_save(
     model,
     save_directory: str | os.PathLike,
@@ -427,28 +620,27 @@ def finish_save(
     model_card: bool | dict = True,
     push_to_hub: bool = False,
     repo_id: str | None = None,
-    private: bool | None = None,
-    token: str | bool | None = None,
     **upload_kwargs,
 ) -> None:
     """The end of `DCFormerPreTrainedModel.save_pretrained`, once transformers wrote the config and the weights:
     the remote code, the model card (`model_card`: True, False, or a dict of `write_model_card` options) and, with
-    `push_to_hub`, the upload of the directory to `repo_id` (default: the directory's name)."""
+    `push_to_hub`, the upload of the directory to `repo_id` (default: the directory's name; see `upload_saved`)."""
     if not (Path(save_directory) / "config.json").is_file():
         return  # transformers refused to save (e.g. the path is a file) and said so
+    if push_to_hub:  # a bad id is refused before anything is written
+        repo_id = check_repo_id(repo_id or Path(save_directory).resolve().name)
     if remote_code:
         write_remote_code(save_directory)
     else:
         update_config_file(save_directory, auto_map=False)
-    if push_to_hub:
-        repo_id = create_repo(repo_id or Path(save_directory).resolve().name, private=private, token=token)
+    options = None
     if model_card:
         options = dict(model_card) if isinstance(model_card, dict) else {}
         if push_to_hub:
             options.setdefault("repo_id", repo_id)
         write_model_card(save_directory, model.config, **options)
     if push_to_hub:
-        upload_folder(save_directory, repo_id, token=token, **upload_kwargs)
+        upload_saved(model, save_directory, repo_id, options, **upload_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -631,38 +823,36 @@ def saving_beside(save_directory: str | os.PathLike):
 def save_model_directory(model, save_directory, write, *, remote_code=True, model_card=True, **hub_kwargs) -> None:
     """`DCFormerPreTrainedModel.save_pretrained` on the main process: `write(directory)` (transformers' save of the
     config and weights) and `finish_save` (remote code, model card) run in a sibling that then replaces
-    `save_directory` as a whole (`saving_beside`); with `push_to_hub` the finished directory is uploaded."""
+    `save_directory` as a whole (`saving_beside`). With `push_to_hub` the finished directory is uploaded afterwards
+    (`upload_saved`): a failed upload leaves it complete and raises `HubUploadError`."""
     target = check_save_directory(save_directory)
-    repo_id = None
-    if hub_kwargs.pop("push_to_hub", False):
-        repo_id = create_repo(
-            hub_kwargs.pop("repo_id", None) or target.resolve().name,
-            private=hub_kwargs.pop("private", None),
-            token=hub_kwargs.get("token"),
-        )
-    hub_kwargs.pop("repo_id", None), hub_kwargs.pop("private", None)
+    push = hub_kwargs.pop("push_to_hub", False)
+    repo_id = hub_kwargs.pop("repo_id", None)
+    if push:  # a bad id is refused before anything is written
+        repo_id = check_repo_id(repo_id or target.resolve().name)
     try:
         cwd = Path.cwd()
     except OSError:  # the working directory was deleted: nothing to follow
         cwd = None
+    options = None
+    if model_card:  # the card is named after the real directory (or the repository), not the temporary one
+        options = dict(model_card) if isinstance(model_card, dict) else {}
+        if repo_id is not None:
+            options.setdefault("repo_id", repo_id)
+        if not options.get("repo_id"):
+            options.setdefault("model_name", target.resolve().name)
     with saving_beside(target) as tmp:
         write(tmp)
         if not (tmp / "config.json").is_file():
             raise OSError(f"saving to {target} wrote no config.json: nothing was changed there")
         if target.is_dir():
             _carry_over(target, tmp, {"README.md", *(f.name for f in remote_code_files())})
-        options = model_card
-        if model_card:  # the card is named after the real directory, not the temporary one
-            options = dict(model_card) if isinstance(model_card, dict) else {}
-            if repo_id is not None:
-                options.setdefault("repo_id", repo_id)
-            if not options.get("repo_id"):
-                options.setdefault("model_name", target.resolve().name)
-        finish_save(model, tmp, remote_code=remote_code, model_card=options)
+        finish_save(model, tmp, remote_code=remote_code, model_card=options or False)
     if cwd is not None and cwd.is_relative_to(target.absolute()):  # it was inside the replaced tree: follow it
         os.chdir(cwd)
-    if repo_id is not None:
-        upload_folder(target, repo_id, **hub_kwargs)
+    if push:
+        upload_saved(model, target, repo_id, options, **hub_kwargs)
+
 
 def push_model(
     model,
@@ -684,17 +874,131 @@ def push_model(
     if eval_results is not None:
         read_eval_results(eval_results)  # malformed results fail before anything is created on the Hub
     repo_id = create_repo(repo_id, private=private, token=token)
-    tags = list(dict.fromkeys([*(getattr(model, "model_tags", None) or []), *(tags or [])]))
     card = dict(repo_id=repo_id, license=license, base_model=base_model, eval_results=eval_results, tags=tags)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size, remote_code=remote_code, model_card=card)
         return upload_folder(tmp, repo_id, token=token, **upload_kwargs)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Trainer's model card
+# ----------------------------------------------------------------------------------------------------------------
+TRAINER_SECTION = "## Training (written by transformers' Trainer)"
+
+
+def _trainer_body(text: str) -> list[str]:
+    """The body of a card from `Trainer.create_model_card`, one heading level down, without its title, its comment
+    and its empty or "More information needed" sections."""
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = text.replace("This model is a fine-tuned version of [](https://huggingface.co/) on", "It was trained on")
+    sections = [[]]
+    for line in text.splitlines():
+        if line.startswith("#"):
+            sections.append([])
+        sections[-1].append(line)
+    level = lambda section: len(section[0]) - len(section[0].lstrip("#")) if section else 0  # noqa: E731
+    lines = []
+    for i, section in enumerate(sections):
+        body = [line for line in section[1:] if line.strip()]
+        if level(section) == 1:  # the title: the card has its own
+            section = section[1:]
+        elif level(section) > 1:
+            following = sections[i + 1] if i + 1 < len(sections) else []
+            if body == ["More information needed"] or (not body and level(following) <= level(section)):
+                continue
+        lines += ["#" + line if line.startswith("#") else line for line in section]
+    return "\n".join(lines).strip("\n").splitlines()
+
+
+def merge_trainer_card(
+    card_text: str, trainer_text: str, repo_id: str | None = None, model_name: str | None = None
+) -> str:
+    """DCFormer's card `card_text` with what `Trainer.create_model_card` wrote (`trainer_text`): Trainer's tags,
+    datasets and language (and base model or license where ours has none) join the metadata, its text (training
+    procedure, hyperparameters, results on the evaluation set) becomes a "Training" section before the citation.
+    Trainer's model-index is left out (it names no split or source). `repo_id`, `model_name`: the repository
+    Trainer pushes to and its name, for the usage snippets and the title."""
+    from huggingface_hub import ModelCard
+
+    ours, theirs = ModelCard(card_text), ModelCard(trainer_text)
+    data = ours.data
+    data.tags = list(dict.fromkeys([*(data.tags or []), *(theirs.data.tags or [])]))
+    for key in ("datasets", "language", "base_model", "license"):
+        if getattr(data, key, None) is None and getattr(theirs.data, key, None) is not None:
+            setattr(data, key, getattr(theirs.data, key))
+    body = ours.text
+    if TRAINER_SECTION in body:  # merged before: the new Trainer text replaces the old
+        head, _, rest = body.partition(TRAINER_SECTION)
+        following = re.search(r"^## ", rest, re.M)
+        body = head.rstrip("\n") + "\n\n" + (rest[following.start() :] if following else "")
+    old_id = re.search(r'from_pretrained\("([^"]*)"', body)
+    if repo_id and old_id and old_id.group(1) != repo_id:
+        body = body.replace(f'from_pretrained("{old_id.group(1)}"', f'from_pretrained("{repo_id}"')
+    if model_name:
+        body = re.sub(r"^# .*$", lambda _: f"# {model_name}", body, count=1, flags=re.M)
+        if data.eval_results:
+            data.model_name = model_name
+    section = "\n".join([TRAINER_SECTION, "", *_trainer_body(theirs.text), "", ""])
+    head, citation, tail = body.partition("\n## Citation")
+    body = head.rstrip("\n") + "\n\n" + section + citation.lstrip("\n") + tail if citation else body + "\n" + section
+    return f"---\n{data.to_yaml()}\n---\n" + body
+
+
+def _trainer_dcformer_model(trainer):
+    """The DCFormer model `trainer` trains (a `PreTrainedModel`: not a PEFT model, whose card is PEFT's), or None."""
+    from transformers import PreTrainedModel
+
+    model = trainer.model
+    unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+    if unwrap is not None:
+        model = unwrap(model)
+    if isinstance(model, PreTrainedModel) and getattr(model.config, "model_type", None) in ("dcformer", "dcpythia"):
+        return model
+    return None
+
+
+def keep_card_under_trainer() -> None:
+    """Wrap `transformers.Trainer.create_model_card` (which `Trainer.push_to_hub` calls after saving the model) so
+    that, for a DCFormer model, DCFormer's card is kept and merged with Trainer's (`merge_trainer_card`) instead of
+    replaced. Other models, and a README.md this package did not generate, see Trainer's own behaviour. Once per
+    process; nothing until Trainer is imported (a DCFormer model's save calls this again)."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None:
+        return
+    original = trainer_module.Trainer.create_model_card
+    if getattr(original, "keeps_dcformer_card", False):
+        return
+
+    @functools.wraps(original)
+    def create_model_card(self, *args, **kwargs):
+        model = _trainer_dcformer_model(self)
+        path = Path(self.args.output_dir) / "README.md"
+        before = path.read_text(encoding="utf-8") if model is not None and path.is_file() else None
+        result = original(self, *args, **kwargs)
+        if model is None or not self.is_world_process_zero() or not path.is_file():
+            return result
+        if before is None:  # no save wrote our card here yet
+            options = card_options(model, {"model_name": kwargs.get("model_name") or path.parent.resolve().name})
+            before = str(model_card(model.config, **options))
+        elif not is_generated_card(before):
+            return result  # the user's own card: Trainer's behaviour
+        trainer_card = path.read_text(encoding="utf-8")
+        merged = merge_trainer_card(before, trainer_card, getattr(self, "hub_model_id", None), kwargs.get("model_name"))
+        _replace_file(path, merged)
+        return result
+
+    create_model_card.keeps_dcformer_card = True
+    trainer_module.Trainer.create_model_card = create_model_card
+
+
 __all__ = [
     "AUTO_MAP",
+    "HubUploadError",
+    "card_options",
     "check_save_directory",
     "finish_save",
+    "keep_card_under_trainer",
+    "merge_trainer_card",
     "model_card",
     "push_folder",
     "push_model",
@@ -702,6 +1006,8 @@ __all__ = [
     "save_model_directory",
     "saving_beside",
     "swap_directory",
+    "upload_saved",
+    "weights_fingerprint",
     "write_model_card",
     "write_remote_code",
 ]

@@ -13,6 +13,8 @@ Layout of one attention layer (`DCFormerAttention`):
     o_proj              output projection
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -167,6 +169,20 @@ class DynamicWeightProjection(nn.Module):
         self.qkw = nn.Parameter(torch.empty(G, C, K, 2 * I, M))
         self.dd = nn.Parameter(torch.empty(D, G, C * M))
 
+    @staticmethod
+    def init_stds(config: DCFormerConfig) -> dict[str, float]:
+        """Standard deviations of the normal init of dw1, qkw, dd for `config.dynamic_init` (see the config)."""
+        if config.dynamic_init == "normal":
+            std = config.initializer_range
+            return {"dw1": std, "qkw": std, "dd": std}
+        D, M = config.hidden_size, config.heads_per_group
+        K, I = config.dynamic_hidden_size, config.dynamic_rank
+        return {
+            "dw1": math.sqrt(2 / (D + K)),
+            "qkw": math.sqrt(1 / K) * 2 / (M + I) * 0.01,
+            "dd": math.sqrt(2 / (D + M)) * 0.005,
+        }
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         G, C, I, M = self.num_groups, self.num_slots, self.rank, self.heads_per_group
@@ -214,7 +230,9 @@ class DCFormerAttention(nn.Module):
         query, key, value = qkv.unbind(2)
         if self.config.use_qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, N, T, Dh]
+        query, key = query.transpose(1, 2), key.transpose(1, 2)  # [B, N, T, Dh]
+        # the values copied out of the q/k/v projection: a view would keep all three alive for the backward pass
+        value = value.transpose(1, 2).contiguous()
         cos, sin = position_embeddings
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
@@ -299,26 +317,56 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DCFormerDecoderLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
-    # DCMHA is computed by this file's own attention; no flash/SDPA/flex kernel can compose heads.
+    # DCMHA is computed by this file's own attention; no flash/SDPA/flex kernel can compose heads. attn_implementation
+    # names a DCMHA implementation instead (see `set_attn_implementation`).
     _supports_flash_attn = False
     _supports_sdpa = False
     _supports_flex_attn = False
     _supports_attention_backend = False
-    _can_compile_fullgraph = False
+    # torch.compile(fullgraph=True) and torch.export trace the forward pass, with a padding mask (tests/test_export.py)
+    _can_compile_fullgraph = True
     # Derived tensors of the authors' released checkpoints: never used (see released_format.py).
     _keys_to_ignore_on_load_unexpected = RELEASED_IGNORED_KEYS
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True  # the DCMHA implementation is read from the config at every call
+
+    def _check_and_adjust_attn_implementation(
+        self, attn_implementation: str | dict | None, is_init_check: bool = False, allow_all_kernels: bool = False
+    ) -> str:
+        """transformers' check of `attn_implementation` at init: for DCFormer, a DCMHA implementation (see
+        `set_attn_implementation`); None keeps the config's."""
+        self.config._attn_implementation = attn_implementation  # checked and stored as dcmha_implementation
+        return self.config._attn_implementation
+
+    def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False):
+        """Choose how DCMHA is computed: `attn_implementation` is `config.dcmha_implementation` under transformers'
+        name, and this sets it ("auto", "eager" (the reference), "compiled", "kernel", "triton", or a registered
+        backend). transformers' own attention functions ("sdpa", "flash_attention_2", "flex_attention", ...) cannot
+        compose heads: a ValueError says so. The same holds for `from_pretrained(..., attn_implementation=...)` and
+        `from_config(..., attn_implementation=...)`; `config._attn_implementation` reads `dcmha_implementation`."""
+        self.config._attn_implementation = attn_implementation
+
+    @property
+    def model_tags(self) -> list[str]:
+        """The Hub tags of this model: "dcformer", "dcmha" and those given to `add_model_tags`. Its cards carry them,
+        and `Trainer.push_to_hub` adds them to the card it writes."""
+        return self.__dict__.setdefault("_model_tags", ["dcformer", "dcmha"])
+
+    @model_tags.setter
+    def model_tags(self, tags: list[str] | None):
+        self.__dict__["_model_tags"] = list(tags or [])
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, refusing a checkpoint that does not match its config (transformers would
         initialise missing tensors randomly, drop unused ones and cast integer tensors, and only log it): the error
         names the config field responsible (`checkpoint_checks.py`). Loads our layout and the authors' released one
-        alike. With `output_loading_info=True` missing and unused tensors are reported back instead."""
+        alike. With `output_loading_info=True` missing and unused tensors are reported back instead; with
+        `ignore_mismatched_sizes=True` tensors of the wrong shape are re-initialised, as transformers does."""
         want_info = kwargs.get("output_loading_info", False)
-        allow_mismatch = kwargs.get("ignore_mismatched_sizes", False)
-        # transformers' own error for a wrong shape says only "look at the above report": load with the mismatches
-        # reported back, and refuse them here naming each tensor, both shapes and the config field
-        kwargs["output_loading_info"] = kwargs["ignore_mismatched_sizes"] = True
+        kwargs["output_loading_info"] = True  # the missing and unused tensors, checked below
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         config = kwargs.get("config")
         config_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
@@ -336,16 +384,33 @@ class DCFormerPreTrainedModel(PreTrainedModel):
             register_released_layout(config.model_type, config.use_gated_mlp)
         model, info = super().from_pretrained(*args, **kwargs)
         check_dtypes(source, checkpoint_files(source, subfolder=kwargs.get("subfolder", ""), **config_kwargs))
-        problem = describe_mismatch(
-            model.config,
-            source,
-            unexpected=() if want_info else info["unexpected_keys"],
-            missing=() if want_info else info["missing_keys"],
-            mismatched=() if allow_mismatch else info["mismatched_keys"],
-        )
-        if problem:
-            raise ValueError(problem)
+        if not want_info:
+            problem = describe_mismatch(
+                model.config, source, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
+            )
+            if problem:
+                raise ValueError(problem)
         return (model, info) if want_info else model
+
+    @staticmethod
+    def _finalize_model_loading(model, load_config, loading_info):
+        """transformers' last loading step, whose error for tensors of the wrong shape only says "look at the above
+        report": that error is replaced by one naming each tensor, both shapes and the config field responsible."""
+        try:
+            return PreTrainedModel._finalize_model_loading(model, load_config, loading_info)
+        except RuntimeError:
+            if load_config.ignore_mismatched_sizes or not loading_info.mismatched_keys:
+                raise
+            problem = describe_mismatch(
+                model.config,
+                load_config.pretrained_model_name_or_path,
+                unexpected=loading_info.unexpected_keys,
+                missing=loading_info.missing_keys,
+                mismatched=loading_info.mismatched_keys,
+            )
+            if problem is None:
+                raise
+            raise ValueError(problem) from None
 
     def save_pretrained(
         self,
@@ -361,9 +426,13 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         `auto_map` in config.json, so it loads with `trust_remote_code=True` where this package is not installed
         (`remote_code=False`: not), and a model card README.md (`model_card`: True, False, or a dict of
         `hub.write_model_card` options such as `license`, `base_model`, `eval_results`; a README.md this package
-        did not generate is kept). `push_to_hub=True` (with `repo_id`, `private`, `token`, `commit_message`,
-        `create_pr`) uploads the directory afterwards."""
-        from .hub import check_save_directory, finish_save, save_model_directory
+        did not generate is kept; lm-eval results given here stay in the config, so that a reload saved again keeps
+        them while its weights are the same). `push_to_hub=True` (with `repo_id`, `private`, `token`,
+        `commit_message`, `create_pr`) uploads the directory once it is complete: a failed upload leaves it so and
+        raises `hub.HubUploadError`, saying how to retry."""
+        from .hub import card_options, check_save_directory, finish_save, keep_card_under_trainer, save_model_directory
+
+        keep_card_under_trainer()  # should Trainer write its card after this save, ours is kept (hub.py)
 
         hub_keys = ("push_to_hub", "repo_id", "private", "token", "commit_message", "commit_description", "create_pr")
         hub_kwargs = {key: kwargs.pop(key) for key in hub_keys if key in kwargs}
@@ -374,12 +443,14 @@ class DCFormerPreTrainedModel(PreTrainedModel):
             parent_save(directory, *args, save_original_format=save_original_format, **kwargs)
 
         on_this_rank = self.should_save_on_this_rank(args[0] if args else kwargs.get("is_main_process", True))
+        # before the config is written: it keeps the card's lm-eval results
+        card = card_options(self, model_card) if on_this_rank else None
+        options = dict(remote_code=remote_code, model_card=card if card is not None else False, **hub_kwargs)
         if on_this_rank and getattr(self, "_tp_size", None) is None:  # written beside, then swapped in (hub.py)
-            options = dict(remote_code=remote_code, model_card=model_card, **hub_kwargs)
             return save_model_directory(self, save_directory, write, **options)
         write(save_directory)
         if on_this_rank:
-            finish_save(self, save_directory, remote_code=remote_code, model_card=model_card, **hub_kwargs)
+            finish_save(self, save_directory, **options)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the model to the Hub repository `repo_id` in one commit: weights, config, the remote code and a
@@ -393,11 +464,9 @@ class DCFormerPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        std = self.config.initializer_range
         if isinstance(module, DynamicWeightProjection):
-            init.normal_(module.dw1, mean=0.0, std=std)
-            init.normal_(module.qkw, mean=0.0, std=std)
-            init.normal_(module.dd, mean=0.0, std=std)
+            for name, std in module.init_stds(self.config).items():
+                init.normal_(getattr(module, name), mean=0.0, std=std)
 
 
 def positions_from_padding(attention_mask: torch.Tensor, past_length: int, length: int) -> torch.Tensor:
@@ -483,7 +552,9 @@ class DCFormerModel(DCFormerPreTrainedModel):
                     f"{past_length} cached + {T} new tokens"
                 )
             padding_mask = attention_mask.to(device=device, dtype=torch.bool)
-            if bool(padding_mask.all()):
+            # a mask that pads nothing is dropped (no masked_fill per chunk), but only when running eagerly: under
+            # torch.compile and torch.export a branch on its values cannot be traced, and the mask is applied
+            if not torch.compiler.is_compiling() and bool(padding_mask.all()):
                 padding_mask = None
         if position_ids is None:
             if attention_mask is not None:
@@ -555,10 +626,14 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         if generation_config.use_cache is False:
             return
         if implementation == "static":
-            length = max(max_cache_length, generation_config.max_cache_len or 0)
+            # prompt lookup checks up to prompt_lookup_num_tokens candidates, the last ones past the generation's end
+            overshoot = (generation_config.prompt_lookup_num_tokens or 1) - 1
+            length = max(max_cache_length + overshoot, generation_config.max_cache_len or 0)
             model_kwargs[CACHE_NAME] = DCFormerCache(self.config, max_cache_len=length)
         else:
             model_kwargs[CACHE_NAME] = DCFormerCache(self.config)
+        if generation_config.is_assistant:  # as transformers does: the main model rolls the assistant's cache back
+            model_kwargs[CACHE_NAME].activate_past_recording()
 
     def get_output_embeddings(self):
         return self.lm_head

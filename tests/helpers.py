@@ -149,3 +149,28 @@ def assert_decoding_matches_full_forward(model):
             cache = out.past_key_values
             steps.append(out.logits)
     assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def save_tiny_neox(path, seed: int = 0, dtype: torch.dtype | None = None, **overrides):
+    """A tiny random GPT-NeoX causal LM saved at `path` (no tokenizer), with weights large enough that the logits
+    are O(1..10) and rounding the weights to bf16/fp16 moves them by far more than 1e-4. Saved in `dtype` (default
+    fp32); returns the saved model in fp32."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    settings = dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        rotary_pct=0.5, max_position_embeddings=160, bos_token_id=0, eos_token_id=0,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(**settings)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.normal_(0.0, 1.0 if "embed" in name else 1.5 / p.shape[1] ** 0.5)
+            else:
+                p.normal_(0.0, 0.1)
+    (model if dtype is None else model.to(dtype)).save_pretrained(path)
+    return model.float()

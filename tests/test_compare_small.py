@@ -247,6 +247,15 @@ def test_metrics_on_known_predictions(vocab):
         (["--shape", "no-such-preset"], "--shape"),
         (["--mqar-pairs", "4-100"], "distinct keys"),
         (["--dc-overrides", "hidden_size=64"], "shared shape"),
+        (["--window-type", "LGLL"], "give --window too"),
+        (["--task", "lm", "--window", "128", "--block-size", "128"], "smaller than --block-size"),
+        (["--qk-norm", "--dc-overrides", "use_qk_norm=false"], "but --qk-norm says True"),
+        (["--lr-sweep", "1e-3"], "at least two distinct"),
+        (["--sizes", "128"], "HIDDEN/HEADS"),
+        (["--sizes", "128/4", "--hidden", "64"], "leave out --shape, --hidden"),
+        (["--ablation", "--models", "dcformer"], "leave out --models"),
+        (["--task", "lm", "--tasks", "mqar"], "does not apply to --task lm"),
+        (["--corpus", "x.txt"], "--corpus is for --task lm"),
     ],
 )
 def test_bad_flags_give_clear_errors(argv, message, capsys):
@@ -304,7 +313,8 @@ def test_smoke_run_writes_table_json_and_png(tmp_path):
     assert abs(data["parameters"]["relative_difference"]) <= 0.02
     assert report["wall_seconds"] > 0
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "Per run" in table and table.count("| DCFormer (DCMHA) | ") == 2 + 2  # 2 tasks + 2 seeds
+    assert "Per run" in table and table.count("| DCFormer (DCMHA) | ") == 2 + 2 + 1  # 2 tasks, 2 seeds, the norms
+    assert (out / "dyn_norms.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the report can be rebuilt from the JSON alone (e.g. of an interrupted run)
     (out / "results.md").unlink()
     (out / "curves.png").unlink()
@@ -313,3 +323,38 @@ def test_smoke_run_writes_table_json_and_png(tmp_path):
     assert rebuilt["aggregate"] == data["aggregate"]
     with pytest.raises(SystemExit, match="no .*results.json"):
         compare_small.main(["--report-only", "--out", str(tmp_path / "empty")])
+
+
+def test_dc_overrides_use_qk_norm(capsys):
+    """Issue 19 item 11: the advertised `--dc-overrides use_qk_norm=true` failed with "got multiple values for
+    keyword argument 'use_qk_norm'"."""
+    args = compare_small.parse_args(["--dc-overrides", "use_qk_norm=true,window_size=16,window_type=LGLL"])
+    vocab = TaskVocab(args.task_config)
+    neox, dc, info = compare_small.matched_configs(
+        args.shape_dict, vocab.model_vocab_size, 72, dc_overrides=args.dc_overrides
+    )
+    assert dc.use_qk_norm and dc.window_size == 16
+    assert dc.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert abs(info["relative_difference"]) <= 0.02
+    attention = compare_small.DCFormerForCausalLM(dc).model.layers[0].self_attn
+    assert attention.q_norm.weight.shape == (dc.head_dim,)
+
+
+def test_recipe_flags_reach_the_dcformer_config_only():
+    args = compare_small.parse_args(
+        ["--task", "lm", "--qk-norm", "--window", "16", "--window-type", "LGLL", "--dc-init", "normal"]
+    )
+    expected = {"dynamic_init": "normal", "use_qk_norm": True, "window_size": 16, "window_type": "LGLL"}
+    assert args.dc_overrides == expected
+    neox, dc, _ = compare_small.matched_configs(args.shape_dict, 264, 128, dc_overrides=args.dc_overrides)
+    assert dc.use_qk_norm and dc.dynamic_init == "normal"
+    assert dc.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert not hasattr(neox, "window_size") or neox.window_size is None
+    # without the flags: the config's defaults (the authors' init), no qk-norm, every layer global
+    args = compare_small.parse_args(["--task", "lm"])
+    assert args.dc_overrides == {} and args.tasks == ["lm"] and args.eval_batch_size == args.batch_size
+    _, dc, _ = compare_small.matched_configs(args.shape_dict, 264, 128, dc_overrides=args.dc_overrides)
+    assert dc.dynamic_init == "authors" and not dc.use_qk_norm and set(dc.layer_types) == {"full_attention"}
+    # the same value through both routes is accepted
+    args = compare_small.parse_args(["--qk-norm", "--dc-overrides", "use_qk_norm=true"])
+    assert args.dc_overrides == {"use_qk_norm": True}

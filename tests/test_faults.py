@@ -248,6 +248,30 @@ def test_config_that_does_not_match_the_weights_names_the_field(saved_dcformer, 
         DCFormerForCausalLM.from_pretrained(saved_dcformer, config=config)
 
 
+def test_ignore_mismatched_sizes_is_the_users_choice(saved_dcformer, monkeypatch):
+    """transformers gets the caller's ignore_mismatched_sizes (not a forced True); a wrong shape is still refused
+    by name, and re-initialised only when the caller asks, as transformers does."""
+    from transformers import PreTrainedModel
+
+    seen = []
+    parent = PreTrainedModel.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append(kwargs.get("ignore_mismatched_sizes", False))
+        return parent(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(spy))
+    config = DCFormerConfig(**{**MISMATCH_BASE, "intermediate_size": 32})
+    with pytest.raises(ValueError, match=r"up_proj\.weight has shape \(64, 32\) in the checkpoint but \(32, 32\)"):
+        DCFormerForCausalLM.from_pretrained(saved_dcformer, config=config, output_loading_info=True)
+    model, info = DCFormerForCausalLM.from_pretrained(
+        saved_dcformer, config=config, ignore_mismatched_sizes=True, output_loading_info=True
+    )
+    assert seen == [False, True]
+    assert model.model.layers[0].mlp.up_proj.weight.shape == (32, 32)
+    assert {key for key, _, _ in info["mismatched_keys"]} >= {"model.layers.0.mlp.up_proj.weight"}
+
+
 def test_two_slot_checkpoint_under_a_four_slot_config(tmp_path):
     path = tmp_path / "query-wise"
     DCFormerForCausalLM(DCFormerConfig(**MISMATCH_BASE, query_wise=True)).save_pretrained(path)

@@ -1,0 +1,298 @@
+"""The model card is honest and survives: only whole-benchmark lm-eval runs enter the `model-index` (with dataset,
+split and source), smoke runs (a `limit`, the bundled `*_local` tasks) are labelled so in the text; the usage
+snippet (tokenizer + `generate`) runs; a reloaded model saved again keeps its eval results while its weights are
+the ones measured; the model's tags reach its card; `Trainer.push_to_hub` keeps DCFormer's card, merged with
+Trainer's; a `save_pretrained(..., push_to_hub=True)` whose upload fails leaves a complete directory and says how
+to retry. The Hub API is replaced by fakes: no network."""
+
+import json
+import os
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard
+from huggingface_hub.errors import LocalEntryNotFoundError
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
+
+import modeling_dcformer  # noqa: F401  (registers the auto classes)
+from conftest import TINY, randomize_dyn_w
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, hub
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
+
+LM_EVAL = "https://github.com/EleutherAI/lm-evaluation-harness"
+# The shape of what lm-eval 0.4.13 returns and writes (abridged; the numbers are made up): two upstream tasks run
+# on every row, and the bundled offline copy of PIQA.
+FULL_RUN = {
+    "results": {
+        "piqa": {"alias": "piqa", "acc,none": 0.7622, "acc_stderr,none": 0.0099, "acc_norm,none": 0.7644,
+                 "acc_norm_stderr,none": 0.0098},
+        "lambada_openai": {"alias": "lambada_openai", "perplexity,none": 4.45, "perplexity_stderr,none": 0.1,
+                           "acc,none": 0.671, "acc_stderr,none": 0.0065},
+        "piqa_local": {"alias": "piqa_local", "acc,none": 0.6, "acc_stderr,none": 0.09},
+    },
+    "configs": {
+        "piqa": {"task": "piqa", "dataset_path": "baber/piqa", "training_split": "train",
+                 "validation_split": "validation"},
+        "lambada_openai": {"task": "lambada_openai", "dataset_path": "EleutherAI/lambada_openai",
+                           "dataset_name": "default", "test_split": "test"},
+        "piqa_local": {"task": "piqa_local", "dataset_path": "json", "validation_split": "validation"},
+    },
+    "n-shot": {"piqa": 0, "lambada_openai": 0, "piqa_local": 0},
+    "n-samples": {"piqa": {"original": 1838, "effective": 1838},
+                  "lambada_openai": {"original": 5153, "effective": 5153},
+                  "piqa_local": {"original": 30, "effective": 30}},
+    "config": {"model": "dcformer", "limit": None},
+    "lm_eval_version": "0.4.13",
+}
+# (task, metric): (value, dataset, config, split) of the model-index entries FULL_RUN must give, and no others
+EXPECTED_INDEX = {
+    ("piqa", "acc"): (0.7622, "baber/piqa", None, "validation"),
+    ("piqa", "acc_norm"): (0.7644, "baber/piqa", None, "validation"),
+    ("lambada_openai", "perplexity"): (4.45, "EleutherAI/lambada_openai", "default", "test"),
+    ("lambada_openai", "acc"): (0.671, "EleutherAI/lambada_openai", "default", "test"),
+}
+SMOKE_HEADING = "### Smoke runs: not benchmark results"
+
+
+def tiny(seed: int = 0, **overrides) -> DCFormerForCausalLM:
+    torch.manual_seed(seed)
+    return randomize_dyn_w(DCFormerForCausalLM(DCFormerConfig(**{**TINY, **overrides})).eval(), seed=seed + 1)
+
+
+def ids_for(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+@torch.no_grad()
+def logits_of(model, ids):
+    return model(ids).logits
+
+
+def index_of(card: ModelCard) -> dict:
+    return {(r.dataset_name, r.metric_name): r for r in card.data.eval_results or []}
+
+
+def smoke_rows(card: ModelCard) -> dict[tuple[str, str], str]:
+    """{(task, metric): why} from the card's smoke-run table."""
+    if SMOKE_HEADING not in card.text:
+        return {}
+    table = card.text.split(SMOKE_HEADING, 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    return {(cells[0].strip(), cells[1].strip()): cells[4].strip() for cells in rows[1:]}
+
+
+@pytest.fixture
+def tokenizer():
+    """A small byte-level BPE trained here (nothing downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["The harbour town wakes before the boats come in.", "Gulls follow the last boat home at dusk."] * 4
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """Replaces the HfApi methods that our uploads and Trainer's use; records each upload and its README.md."""
+    calls = types.SimpleNamespace(create_repo=[], upload=[], fail=None)
+
+    def create_repo(self, repo_id, **kwargs):
+        if calls.fail == "create_repo":
+            raise ConnectionError("network is unreachable")
+        calls.create_repo.append(repo_id)
+        return types.SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"me/{repo_id}")
+
+    def hf_hub_download(self, repo_id, filename, **kwargs):
+        raise LocalEntryNotFoundError(f"{repo_id} has no {filename}")
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        if calls.fail == "upload":
+            raise ConnectionError("network is unreachable")
+        folder = Path(folder_path)
+        readme = folder / "README.md"
+        calls.upload.append(dict(
+            repo_id=repo_id, folder=folder, readme=readme.read_text() if readme.is_file() else None,
+            config=json.loads((folder / "config.json").read_text()),
+        ))
+        return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0123abc")
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "create_branch", lambda self, *a, **k: None)
+    return calls
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Honest metadata (issue 19, item 7)
+# ----------------------------------------------------------------------------------------------------------------
+def test_only_whole_benchmark_runs_enter_the_model_index():
+    card = ModelCard(str(hub.model_card(DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=FULL_RUN)))
+    index = index_of(card)  # parsed back from the YAML
+    assert set(index) == set(EXPECTED_INDEX)
+    for key, (value, dataset, config, split) in EXPECTED_INDEX.items():
+        entry = index[key]
+        assert (entry.metric_value, entry.dataset_type, entry.dataset_config, entry.dataset_split) == (
+            value, dataset, config, split)
+        assert entry.source_name == "lm-evaluation-harness 0.4.13" and entry.source_url == LM_EVAL
+        assert entry.task_type == "text-generation" and entry.metric_type == key[1]
+    assert "| piqa | baber/piqa | validation | 0 | acc | 0.7622 | 0.0099 |" in card.text
+    assert set(smoke_rows(card)) == {("piqa_local", "acc")}  # the bundled fixture task: in the text, labelled
+    assert "offline copy" in smoke_rows(card)[("piqa_local", "acc")]
+
+
+@pytest.mark.parametrize("run", ["limit", "fewer-rows", "no-dataset-record"])
+def test_smoke_runs_stay_out_of_the_model_index(run):
+    if run == "limit":  # lm-eval's --limit
+        results, why = {**FULL_RUN, "config": {"model": "dcformer", "limit": 100}}, "limit=100"
+    elif run == "fewer-rows":  # a subset without --limit: n-samples says so
+        samples = {task: {"original": 1838, "effective": 200} for task in FULL_RUN["results"]}
+        results, why = {**FULL_RUN, "n-samples": samples}, "200 of the task's 1838 rows"
+    else:  # the bare results mapping: no dataset, split or limit recorded
+        results, why = FULL_RUN["results"], "no dataset and split"
+    card = ModelCard(str(hub.model_card(DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=results)))
+    assert card.data.eval_results is None and "model-index:" not in card.content
+    rows = smoke_rows(card)
+    assert set(rows) == {(task, metric) for task, metric in EXPECTED_INDEX} | {("piqa_local", "acc")}
+    assert all(why in reason for (task, _), reason in rows.items() if task != "piqa_local"), rows
+
+
+def test_a_real_limited_lm_eval_run_is_a_smoke_run(tokenizer, tmp_path):
+    """lm-eval's own output (the bundled piqa_local, limit=3) read from the results file it wrote."""
+    pytest.importorskip("lm_eval")
+    from modeling_dcformer.evals import harness
+
+    model = tiny(vocab_size=len(tokenizer))
+    harness.evaluate(model, tokenizer, ["piqa_local"], batch_size=4, limit=3, output_path=tmp_path / "lm-eval")
+    results = hub.read_eval_results(tmp_path / "lm-eval")
+    import lm_eval
+
+    assert results["source"] == f"lm-evaluation-harness {lm_eval.__version__}"
+    records = {r["metric"]: r for r in results["results"]}
+    assert set(records) == {"acc", "acc_norm"}
+    for record in records.values():  # what lm-eval recorded of the task, read under the keys it uses
+        assert (record["task"], record["dataset"], record["split"], record["samples"]) == (
+            "piqa_local", "json", "validation", 3)
+        assert record["num_fewshot"] == 0 and "limit=3" in record["smoke"]
+    model.save_pretrained(tmp_path / "model", model_card={"eval_results": tmp_path / "lm-eval"})
+    card = ModelCard.load(tmp_path / "model" / "README.md")
+    assert card.data.eval_results is None and "model-index:" not in card.content
+    assert set(smoke_rows(card)) == {("piqa_local", "acc"), ("piqa_local", "acc_norm")}
+
+
+def test_card_usage_snippet_runs_tokenizer_and_generate(tokenizer, tmp_path, monkeypatch):
+    model = tiny(vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path / "snippet-model")
+    tokenizer.save_pretrained(tmp_path / "snippet-model")
+    text = (tmp_path / "snippet-model" / "README.md").read_text()
+    native, remote = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)[:2]
+    assert 'AutoTokenizer.from_pretrained("snippet-model")' in remote
+    assert 'from_pretrained("snippet-model", trust_remote_code=True)' in remote
+    monkeypatch.chdir(tmp_path)  # the snippet names the model by its directory
+    namespace = {}
+    exec(compile(native, "card-snippet", "exec"), namespace)
+    inputs = namespace["inputs"]
+    expected = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+    assert torch.equal(namespace["output"], expected) and expected.shape[1] > inputs["input_ids"].shape[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What survives a re-save, tags, Trainer's card (issue 19, item 6)
+# ----------------------------------------------------------------------------------------------------------------
+def index_values(card: ModelCard) -> dict:
+    return {key: (r.metric_value, r.dataset_type, r.dataset_split, r.source_name) for key, r in index_of(card).items()}
+
+
+def test_resaving_a_loaded_model_keeps_its_eval_results(tmp_path, caplog):
+    tiny().save_pretrained(tmp_path / "first", model_card={"eval_results": FULL_RUN})
+    first = ModelCard.load(tmp_path / "first" / "README.md")
+    assert set(index_of(first)) == set(EXPECTED_INDEX)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "first").eval()
+    for again in (tmp_path / "again", tmp_path / "first"):  # elsewhere, and in place
+        reloaded.save_pretrained(again)
+        card = ModelCard.load(again / "README.md")
+        assert index_values(card) == index_values(first), again
+        assert set(smoke_rows(card)) == {("piqa_local", "acc")}
+    with torch.no_grad():  # the weights change (fine-tuning would): the results no longer describe them
+        reloaded.model.norm.weight.mul_(1.5)
+    reloaded.save_pretrained(tmp_path / "changed")
+    card = ModelCard.load(tmp_path / "changed" / "README.md")
+    assert card.data.eval_results is None and "## Evaluation" not in card.text
+    assert hub.CONFIG_EVAL_KEY not in json.loads((tmp_path / "changed" / "config.json").read_text())
+    assert "measured on other weights" in caplog.text
+
+
+def test_model_tags_are_per_model_and_reach_the_card(tmp_path):
+    tagged, plain = tiny(), tiny()
+    assert plain.model_tags == ["dcformer", "dcmha"]
+    tagged.add_model_tags(["harbour"])
+    assert tagged.model_tags == ["dcformer", "dcmha", "harbour"] and plain.model_tags == ["dcformer", "dcmha"]
+    tagged.save_pretrained(tmp_path)
+    assert ModelCard.load(tmp_path / "README.md").data.tags == ["dcformer", "dcmha", "harbour"]
+
+
+def test_trainer_push_to_hub_keeps_the_dcformer_card(fake_hub, tmp_path):
+    tiny().save_pretrained(tmp_path / "base", model_card={"eval_results": FULL_RUN})
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    rows = [{"input_ids": list(range(i, i + 8)), "labels": list(range(i, i + 8))} for i in range(8)]
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+                             save_strategy="no", report_to="none", use_cpu=True, hub_model_id="tiny-trained")
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    trainer.push_to_hub()
+
+    (upload,) = fake_hub.upload
+    assert upload["repo_id"] == "me/tiny-trained" and upload["folder"] == tmp_path / "out"
+    card = ModelCard(upload["readme"])
+    assert hub.is_generated_card(card.text)  # DCFormer's card, not Trainer's alone
+    assert {"dcformer", "dcmha", "generated_from_trainer"} <= set(card.data.tags)
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert 'AutoModelForCausalLM.from_pretrained("me/tiny-trained", trust_remote_code=True)' in card.text
+    assert card.text.count("\n# ") == 1 and "\n# tiny-trained\n" in card.text
+    training = card.text.split(hub.TRAINER_SECTION, 1)[1].split("\n## ", 1)[0]  # Trainer's own text, merged
+    assert "Training hyperparameters" in training and "training_steps: 2" in training
+    # the base model's lm-eval results measured other weights: not in the fine-tuned model's card or config
+    assert card.data.eval_results is None and "## Evaluation" not in card.text
+    assert hub.CONFIG_EVAL_KEY not in upload["config"]
+    assert (tmp_path / "out" / "README.md").read_text() == upload["readme"]
+
+    trainer.create_model_card(model_name="tiny-trained")  # again: still one Trainer section
+    assert (tmp_path / "out" / "README.md").read_text().count(hub.TRAINER_SECTION) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A failed upload (issue 19, item 9)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", ["create_repo", "upload"])
+def test_failed_upload_leaves_a_complete_directory(fake_hub, tmp_path, stage):
+    target = tmp_path / "tiny-dc"
+    tiny(seed=1).save_pretrained(target)  # an older save, replaced by the new one
+    model = tiny(seed=2)
+    fake_hub.fail = stage
+    with pytest.raises(hub.HubUploadError) as failure:
+        model.save_pretrained(target, push_to_hub=True, repo_id="me/tiny-dc")
+    message = str(failure.value)
+    assert f"saved the model to {target}" in message and "network is unreachable" in message
+    assert f"hf upload me/tiny-dc {target}" in message and "push_to_hub('me/tiny-dc')" in message
+    assert isinstance(failure.value.__cause__, ConnectionError) and not fake_hub.upload
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-dc"]  # no unfinished save beside it
+    names = {p.name for p in target.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md", "modeling_dcformer.py"} <= names
+    assert json.loads((target / "config.json").read_text())["auto_map"] == hub.AUTO_MAP
+    assert 'from_pretrained("me/tiny-dc", trust_remote_code=True)' in (target / "README.md").read_text()
+    ids = ids_for(TINY["vocab_size"])
+    assert torch.equal(logits_of(AutoModelForCausalLM.from_pretrained(target).eval(), ids), logits_of(model, ids))
+
+    fake_hub.fail = None  # the retry the message suggests
+    model.push_to_hub("me/tiny-dc")
+    assert fake_hub.upload[-1]["repo_id"] == "me/tiny-dc"
