@@ -151,6 +151,20 @@ def assert_decoding_matches_full_forward(model):
     assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
 
 
+def sharpen_neox_(model: torch.nn.Module) -> torch.nn.Module:
+    """Re-draw a GPT-NeoX model's weights (from torch's global generator) large enough that attention is sharp and
+    the logits are O(1..10): norms near 1 with some spread, matrices at 1.5 / sqrt(fan-in), embeddings N(0, 1)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.normal_(0.0, 1.0 if "embed" in name else 1.5 / p.shape[1] ** 0.5)
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
 def save_tiny_neox(path, seed: int = 0, dtype: torch.dtype | None = None, **overrides):
     """A tiny random GPT-NeoX causal LM saved at `path` (no tokenizer), with weights large enough that the logits
     are O(1..10) and rounding the weights to bf16/fp16 moves them by far more than 1e-4. Saved in `dtype` (default
@@ -164,13 +178,6 @@ def save_tiny_neox(path, seed: int = 0, dtype: torch.dtype | None = None, **over
     settings.update(overrides)
     torch.manual_seed(seed)
     model = GPTNeoXForCausalLM(GPTNeoXConfig(**settings)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layernorm" in name or "layer_norm" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
-            elif p.dim() == 2:
-                p.normal_(0.0, 1.0 if "embed" in name else 1.5 / p.shape[1] ** 0.5)
-            else:
-                p.normal_(0.0, 0.1)
+    sharpen_neox_(model)
     (model if dtype is None else model.to(dtype)).save_pretrained(path)
     return model.float()

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 import modeling_dcformer  # noqa: F401  (registers "dcformer" with the Auto classes)
 from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from helpers import sharpen_neox_
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = [
@@ -65,14 +66,7 @@ def build_neox(seed: int = 0, **overrides) -> GPTNeoXForCausalLM:
     settings.update(overrides)
     torch.manual_seed(seed)
     model = GPTNeoXForCausalLM(GPTNeoXConfig(**settings)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layernorm" in name or "layer_norm" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
-            elif p.dim() == 2:
-                p.normal_(0.0, 1.0 if "embed" in name else 1.5 / p.shape[1] ** 0.5)
-            else:
-                p.normal_(0.0, 0.1)
+    sharpen_neox_(model)
     return model
 
 
