@@ -154,22 +154,20 @@ def attend_chunk(
     masked: bool,
     rank: int,
     num_groups: int,
-    need_probs: bool = True,
     stages: tuple = EAGER_STAGES,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> torch.Tensor:
     """DCMHA of one chunk of queries against the keys it may see: `chunk_probabilities`, then @ v. q [B, N, c, Dh],
     k and v [B, N, s, Dh]; query_terms [B, G, 2, 2I+1, M, c] and key_terms [B, G, 2, 2I+1, M, s] (slots pre, post;
     time last) or None; q_pos [c], k_pos [s] absolute positions; key_padding_mask [B, s] bool or None; `masked`:
     whether some query of the chunk cannot see some key (False for a decode step without padding: no mask is
     applied). `stages`: (stage_hidden, stage_apply), or their compiled versions. Returns the output [B, c, N, Dh]
-    and the probabilities [B, N, c, s] (fp32) that gave it, if asked."""
-    if query_terms is None and not need_probs:  # plain attention: SDPA's fused kernel (rows with no visible key: 0)
+    (output_attentions calls use `chunk_probabilities` directly: `EagerBackend.attend_with_probabilities`)."""
+    if query_terms is None:  # plain attention: SDPA's fused kernel (rows with no visible key: 0)
         allowed = visible_keys(q_pos, k_pos, window_size, key_padding_mask) if masked else None
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2), None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
     args = (q_pos, k_pos, key_padding_mask, window_size, masked, rank, num_groups, stages)
     probs = chunk_probabilities(q, k, query_terms, key_terms, *args)
-    out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
-    return out, (probs if need_probs else None)
+    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
 
 
 class EagerBackend(DCMHABackend):
@@ -195,12 +193,11 @@ class EagerBackend(DCMHABackend):
             return self.attend_with_probabilities(inputs, spans)
         outputs = []
         for span in spans:
-            args = (*self.chunk_arguments(inputs, span, with_values=True), False, self.stages)
+            args = (*self.chunk_arguments(inputs, span, with_values=True), self.stages)
             if recompute:
-                out, _ = torch.utils.checkpoint.checkpoint(attend_chunk, *args, use_reentrant=False)
+                outputs.append(torch.utils.checkpoint.checkpoint(attend_chunk, *args, use_reentrant=False))
             else:
-                out, _ = attend_chunk(*args)
-            outputs.append(out)
+                outputs.append(attend_chunk(*args))
         return join_chunks(outputs), None
 
     def attend_with_probabilities(self, inputs: DCMHAInputs, spans: list) -> tuple[torch.Tensor, torch.Tensor]:
