@@ -1,9 +1,15 @@
 """Helpers shared by the test modules (no test module imports another): tiny models whose every parameter
 matters, comparisons, and the common checks of a DCMHA implementation against the oracle (`oracle.py`)."""
 
+import fnmatch
+import json
 import math
+import types
+from pathlib import Path
 
 import torch
+from huggingface_hub import HfApi
+from huggingface_hub.errors import LocalEntryNotFoundError
 
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 from oracle import oracle_causal_lm, oracle_local_layers
@@ -181,3 +187,44 @@ def save_tiny_neox(path, seed: int = 0, dtype: torch.dtype | None = None, **over
     sharpen_neox_(model)
     (model if dtype is None else model.to(dtype)).save_pretrained(path)
     return model.float()
+
+
+def install_fake_hub(monkeypatch, tmp_path):
+    """Replace the HfApi methods that uploads (ours and Trainer's) use, for this test: record each call and a snapshot of
+    each uploaded folder; `calls.hub_readme` is the README.md the Hub repo already has (None: none), and
+    `calls.fail = "create_repo"` or `"upload"` makes that call fail as a network error would."""
+    calls = types.SimpleNamespace(create_repo=[], upload=[], hub_readme=None, fail=None)
+
+    def create_repo(self, repo_id, *, private=None, token=None, exist_ok=False, **kwargs):
+        if calls.fail == "create_repo":
+            raise ConnectionError("network is unreachable")
+        calls.create_repo.append(dict(repo_id=repo_id, private=private, token=token, exist_ok=exist_ok))
+        return types.SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"me/{repo_id}")
+
+    def hf_hub_download(self, repo_id, filename, **kwargs):
+        if calls.hub_readme is None:
+            raise LocalEntryNotFoundError(f"{repo_id} has no {filename}")
+        path = tmp_path / "hub_readme.md"
+        path.write_text(calls.hub_readme)
+        return str(path)
+
+    def upload_folder(self, *, repo_id, folder_path, ignore_patterns=None, **kwargs):
+        if calls.fail == "upload":
+            raise ConnectionError("network is unreachable")
+        folder = Path(folder_path)
+        files = sorted(
+            p.name for p in folder.iterdir()
+            if not any(fnmatch.fnmatch(p.name, pattern) for pattern in ignore_patterns or [])
+        )
+        calls.upload.append(dict(
+            repo_id=repo_id, folder=folder, files=files, kwargs=kwargs,
+            config=json.loads((folder / "config.json").read_text()),
+            readme=(folder / "README.md").read_text() if "README.md" in files else None,
+        ))
+        return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0123abc")
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "create_branch", lambda self, *a, **k: None)
+    return calls

@@ -3,20 +3,17 @@
 can; `push_to_hub` and the converters' `--push-to-hub` upload all of it (the Hub API is replaced by fakes: no
 network)."""
 
-import fnmatch
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub import HfApi, ModelCard
-from huggingface_hub.errors import LocalEntryNotFoundError
+from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
@@ -24,6 +21,7 @@ from conftest import ROOT, TINY, randomize_dyn_w
 from modeling_dcformer.conversion import caiyun_to_hf
 from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub
+from helpers import install_fake_hub
 from released_checkpoint import released_dir
 
 CODE_FILES = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "hub.py", "dcmha.py",
@@ -295,38 +293,7 @@ def test_card_base_model_and_provenance():
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def fake_hub(monkeypatch, tmp_path):
-    """Replaces the HfApi methods the uploads use; records each call and a snapshot of each uploaded folder."""
-    calls = types.SimpleNamespace(create_repo=[], upload=[], hub_readme=None)
-
-    def create_repo(self, repo_id, *, private=None, token=None, exist_ok=False, **kwargs):
-        calls.create_repo.append(dict(repo_id=repo_id, private=private, token=token, exist_ok=exist_ok))
-        return types.SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"me/{repo_id}")
-
-    def hf_hub_download(self, repo_id, filename, **kwargs):
-        if calls.hub_readme is None:
-            raise LocalEntryNotFoundError(f"{repo_id} has no {filename}")
-        path = tmp_path / "hub_readme.md"
-        path.write_text(calls.hub_readme)
-        return str(path)
-
-    def upload_folder(self, *, repo_id, folder_path, ignore_patterns=None, **kwargs):
-        folder = Path(folder_path)
-        files = sorted(
-            p.name for p in folder.iterdir()
-            if not any(fnmatch.fnmatch(p.name, pattern) for pattern in ignore_patterns or [])
-        )
-        calls.upload.append(dict(
-            repo_id=repo_id, folder=folder, files=files, kwargs=kwargs,
-            config=json.loads((folder / "config.json").read_text()),
-            readme=(folder / "README.md").read_text() if "README.md" in files else None,
-        ))
-        return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0123abc")
-
-    monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "hf_hub_download", hf_hub_download)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
-    monkeypatch.setattr(HfApi, "create_branch", lambda self, *a, **k: None)
-    return calls
+    return install_fake_hub(monkeypatch, tmp_path)
 
 
 def test_push_to_hub_uploads_weights_config_code_and_card(fake_hub):

@@ -6,19 +6,16 @@ Trainer's; a `save_pretrained(..., push_to_hub=True)` whose upload fails leaves 
 to retry. The Hub API is replaced by fakes: no network."""
 
 import json
-import os
 import re
-import types
-from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub import HfApi, ModelCard
-from huggingface_hub.errors import LocalEntryNotFoundError
+from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
 from conftest import TINY, randomize_dyn_w
+from helpers import install_fake_hub
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, hub
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -102,34 +99,7 @@ def tokenizer():
 
 @pytest.fixture
 def fake_hub(monkeypatch, tmp_path):
-    """Replaces the HfApi methods that our uploads and Trainer's use; records each upload and its README.md."""
-    calls = types.SimpleNamespace(create_repo=[], upload=[], fail=None)
-
-    def create_repo(self, repo_id, **kwargs):
-        if calls.fail == "create_repo":
-            raise ConnectionError("network is unreachable")
-        calls.create_repo.append(repo_id)
-        return types.SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"me/{repo_id}")
-
-    def hf_hub_download(self, repo_id, filename, **kwargs):
-        raise LocalEntryNotFoundError(f"{repo_id} has no {filename}")
-
-    def upload_folder(self, *, repo_id, folder_path, **kwargs):
-        if calls.fail == "upload":
-            raise ConnectionError("network is unreachable")
-        folder = Path(folder_path)
-        readme = folder / "README.md"
-        calls.upload.append(dict(
-            repo_id=repo_id, folder=folder, readme=readme.read_text() if readme.is_file() else None,
-            config=json.loads((folder / "config.json").read_text()),
-        ))
-        return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0123abc")
-
-    monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "hf_hub_download", hf_hub_download)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
-    monkeypatch.setattr(HfApi, "create_branch", lambda self, *a, **k: None)
-    return calls
+    return install_fake_hub(monkeypatch, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
