@@ -23,7 +23,6 @@ from transformers.utils import logging
 
 from .common import (
     ShardWriter,
-    UploadError,
     add_hub_arguments,
     atomic_output_dir,
     copy_tokenizer_files,
@@ -38,7 +37,7 @@ from .common import (
     write_shareable,
 )
 from modeling_dcformer import DCFormerConfig
-from modeling_dcformer.hub import check_repo_id
+from modeling_dcformer.hub import HubUploadError, check_repo_id
 from modeling_dcformer.released_format import SPLIT_QKV, is_released_config, native_key, query_wise_slots
 
 logger = logging.get_logger("dcformer.caiyun_to_hf")
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             token=args.token,
             license=args.license,
         )
-    except UploadError as err:  # the output is complete: one line with the command that retries the upload
+    except HubUploadError as err:  # the output is complete: one line with the command that retries the upload
         print(f"error: {err}", file=sys.stderr)
         return 3
     except Exception as err:  # a clear one-line error (bad input, corrupt shard) rather than a traceback

@@ -5,7 +5,6 @@ import errno
 import json
 import os
 import re
-import shlex
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -30,10 +29,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
-
-
-class UploadError(OSError):
-    """The output directory is complete, but uploading it to the Hub failed (the message says how to retry)."""
 
 
 def one_line(err: BaseException) -> str:
@@ -377,17 +372,15 @@ def write_shareable(directory: Path, config, name: str, repo_id: str | None = No
 
 
 def push_output(directory: Path, repo_id: str, private: bool = False, token: str | None = None, message: str = ""):
-    """Upload a finished output directory. A failed upload leaves it in place and raises `UploadError`, whose
+    """Upload a finished output directory. A failed upload leaves it in place and raises `hub.HubUploadError`, whose
     one-line message names the directory, the failure and the `hf upload` command that retries just the upload."""
-    from modeling_dcformer.hub import push_folder
+    from modeling_dcformer.hub import HubUploadError, push_folder, retry_upload_command
 
     try:
         info = push_folder(directory, repo_id, private=private or None, token=token, commit_message=message or None)
     except Exception as err:  # network, authentication, permissions: one line, not the HTTP client's traceback
-        retry = f"hf upload {shlex.quote(repo_id)} {shlex.quote(str(Path(directory).resolve()))}"
-        if private:
-            retry += " --private"
-        raise UploadError(
+        retry = retry_upload_command(repo_id, Path(directory).resolve(), private)
+        raise HubUploadError(
             f"the conversion is complete in {Path(directory).resolve()}, but uploading it to {repo_id} failed "
             f"({one_line(err)}); retry the upload with: {retry}"
         ) from err

@@ -38,7 +38,6 @@ from transformers.utils import logging
 
 from .common import (
     ShardWriter,
-    UploadError,
     add_hub_arguments,
     atomic_output_dir,
     copy_tokenizer_files,
@@ -53,7 +52,7 @@ from .common import (
     write_shareable,
 )
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
-from modeling_dcformer.hub import check_repo_id
+from modeling_dcformer.hub import HubUploadError, check_repo_id
 from modeling_dcformer.modeling_dcformer import DynamicWeightProjection
 
 logger = logging.get_logger("dcformer.pythia_to_dcpythia")
@@ -622,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             token=args.token,
             license=args.license,
         )
-    except UploadError as err:  # the output is complete: one line with the command that retries the upload
+    except HubUploadError as err:  # the output is complete: one line with the command that retries the upload
         print(f"error: {err}", file=sys.stderr)
         return 3
     except (ValueError, OSError) as err:

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -582,7 +583,13 @@ def push_folder(
 
 
 class HubUploadError(OSError):
-    """A save whose upload to the Hub failed after the local directory was written in full."""
+    """An upload to the Hub that failed after the local directory (a save or a conversion) was written in full."""
+
+
+def retry_upload_command(repo_id: str, directory: str | os.PathLike, private: bool | None = False) -> str:
+    """The command that retries just the upload of the complete `directory` to `repo_id` (quoted for a shell)."""
+    command = f"hf upload {shlex.quote(repo_id)} {shlex.quote(str(directory))}"
+    return command + " --private" if private else command
 
 
 def upload_saved(
@@ -608,7 +615,7 @@ def upload_saved(
         raise HubUploadError(
             f"saved the model to {directory} (complete: it loads with from_pretrained), but uploading it to the Hub "
             f"repository {repo_id!r} failed: {type(err).__name__}: {err}. Retry the upload alone with "
-            f"`hf upload {repo_id} {directory}`, or with `model.push_to_hub({repo_id!r})`"
+            f"`{retry_upload_command(repo_id, directory, private)}`, or with `model.push_to_hub({repo_id!r})`"
         ) from err
 
 
@@ -994,6 +1001,7 @@ def keep_card_under_trainer() -> None:
 __all__ = [
     "AUTO_MAP",
     "HubUploadError",
+    "retry_upload_command",
     "card_options",
     "check_save_directory",
     "finish_save",
