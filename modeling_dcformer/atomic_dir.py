@@ -150,6 +150,11 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, f"cannot put the new copy of {b} in place: {os.strerror(code)}; {b} is unchanged")
 
 
+def _put_in_place(new: Path, target: Path) -> None:
+    """The second rename where the folders cannot be exchanged (a separate step, so tests can stop a write there)."""
+    os.replace(new, target)
+
+
 def _swap(tmp: Path, target: Path, overwrite: bool) -> None:
     """Put the complete folder `tmp` at `target`; the old copy (if any) is deleted after."""
     if not target.is_dir() or not any(target.iterdir()):
@@ -167,7 +172,7 @@ def _swap(tmp: Path, target: Path, overwrite: bool) -> None:
         old = _sibling(target, "old")
         os.replace(target, old)
         try:
-            os.replace(tmp, target)
+            _put_in_place(tmp, target)
         except BaseException:
             os.replace(old, target)
             raise

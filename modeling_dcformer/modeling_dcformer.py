@@ -13,7 +13,10 @@ Layout of one attention layer (`DCFormerAttention`):
     o_proj              output projection
 """
 
+import json
 import math
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -310,6 +313,22 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------------------
+# from_pretrained's arguments that say where the files are: passed on to the config and checkpoint reads here
+HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+SAVE_RETRIES = 5
+
+
+def saved_id(source, subfolder: str | None = None) -> str | None:
+    """The `save_id` that `save_pretrained` wrote in a local folder's config.json (None: not a local folder, or
+    none there)."""
+    if source is None or not os.path.isdir(source):
+        return None
+    try:
+        return json.loads(Path(source, subfolder or "", "config.json").read_text(encoding="utf-8")).get("save_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 class DCFormerPreTrainedModel(PreTrainedModel):
     config_class = DCFormerConfig
     config: DCFormerConfig
@@ -348,42 +367,49 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         `from_config(..., attn_implementation=...)`; `config._attn_implementation` reads `dcmha_implementation`."""
         self.config._attn_implementation = attn_implementation
 
-    @property
-    def model_tags(self) -> list[str]:
-        """The Hub tags of this model: "dcformer", "dcmha" and those given to `add_model_tags`. Its cards carry them,
-        and `Trainer.push_to_hub` adds them to the card it writes."""
-        return self.__dict__.setdefault("_model_tags", ["dcformer", "dcmha"])
-
-    @model_tags.setter
-    def model_tags(self, tags: list[str] | None):
-        self.__dict__["_model_tags"] = list(tags or [])
+    def __init__(self, config: DCFormerConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        register_released_layout(config.model_type, config.use_gated_mlp)  # released names, for the body loaded
+        self.model_tags = ["dcformer", "dcmha"]  # this model's Hub tags (`add_model_tags` adds to them)
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, refusing a checkpoint that does not match its config (transformers would
-        initialise missing tensors randomly, drop unused ones and cast integer tensors, and only log it): the error
-        names the config field responsible (`checkpoint_checks.py`). Loads our layout and the authors' released one
-        alike. With `output_loading_info=True` missing and unused tensors are reported back instead; with
-        `ignore_mismatched_sizes=True` tensors of the wrong shape are re-initialised, as transformers does."""
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained` (every argument as for any model), refusing a checkpoint that does not
+        match its config (transformers would initialise missing tensors randomly, drop unused ones and cast integer
+        tensors, and only log it): the error names the config field responsible (`checkpoint_checks.py`). With
+        `output_loading_info=True` missing and unused tensors are reported back instead. A local folder replaced by
+        another save while it is read (its config.json's `save_id` changed) is read again, so a load never takes the
+        config of one save and the weights of another."""
         want_info = kwargs.get("output_loading_info", False)
         kwargs["output_loading_info"] = True  # the missing and unused tensors, checked below
-        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        source = pretrained_model_name_or_path
+        hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if kwargs.get(k) is not None}
         config = kwargs.get("config")
-        config_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
-        if not isinstance(config, DCFormerConfig):
-            config = DCFormerConfig.from_pretrained(source, **config_kwargs) if source is not None else None
-        elif config.query_wise and getattr(config, "released_model_type", None) and source is not None:
+        if isinstance(config, DCFormerConfig) and config.query_wise and getattr(config, "released_model_type", None):
             # the released layout stores four slots either way: only the checkpoint's own config tells whether its
             # key-wise slots were trained, and then a query-wise model would drop them
-            if not DCFormerConfig.from_pretrained(source, **config_kwargs).query_wise:
+            if not DCFormerConfig.from_pretrained(source, **hub_kwargs).query_wise:
                 raise ValueError(
                     f"query_wise is True but checkpoint {str(source)!r} was trained with query_wise=False: a query-wise "
                     "model would drop its key-wise composition weights; load it with its own config"
                 )
-        if config is not None:  # the released layout's names for this body (its MLP's w1 depends on it)
-            register_released_layout(config.model_type, config.use_gated_mlp)
-        model, info = super().from_pretrained(*args, **kwargs)
-        check_dtypes(source, checkpoint_files(source, subfolder=kwargs.get("subfolder", ""), **config_kwargs))
+        for attempt in range(SAVE_RETRIES):
+            before = saved_id(source, hub_kwargs.get("subfolder"))
+            try:
+                model, info = super().from_pretrained(source, *args, **kwargs)
+                check_dtypes(source, checkpoint_files(source, **hub_kwargs))
+                one_save = before is None or getattr(model.config, "save_id", None) == before
+            except Exception:
+                if before is None or saved_id(source, hub_kwargs.get("subfolder")) == before:
+                    raise
+                one_save = False
+            if one_save and saved_id(source, hub_kwargs.get("subfolder")) == before:
+                break
+            logger.warning(f"{source} was replaced by another save while it was read: reading it again")
+            kwargs.pop("config", None)  # it may come from the replaced save
+        else:
+            raise OSError(f"{source} was replaced by another save during each of {SAVE_RETRIES} loads: load it when "
+                          "no process is saving into it")
         if not want_info:
             problem = describe_mismatch(
                 model.config, source, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
@@ -412,55 +438,34 @@ class DCFormerPreTrainedModel(PreTrainedModel):
                 raise
             raise ValueError(problem) from None
 
-    def save_pretrained(
-        self,
-        save_directory,
-        *args,
-        save_original_format: bool = False,
-        remote_code: bool = True,
-        model_card: bool | dict = True,
-        **kwargs,
-    ):
-        """Always saves our native layout (transformers would otherwise revert the load-time renaming of the
-        released layout). The directory is ready to share (see `hub.py`): it also gets the remote code with an
-        `auto_map` in config.json, so it loads with `trust_remote_code=True` where this package is not installed
-        (`remote_code=False`: not), and a model card README.md (`model_card`: True, False, or a dict of
-        `hub.write_model_card` options such as `license`, `base_model`, `eval_results`; a README.md this package
-        did not generate is kept; lm-eval results given here stay in the config, so that a reload saved again keeps
-        them while its weights are the same). `push_to_hub=True` (with `repo_id`, `private`, `token`,
-        `commit_message`, `create_pr`) uploads the directory once it is complete: a failed upload leaves it so and
-        raises `hub.HubUploadError`, saying how to retry."""
-        from .hub import card_options, check_save_directory, finish_save, keep_card_under_trainer, save_model_directory
-
-        keep_card_under_trainer()  # should Trainer write its card after this save, ours is kept (hub.py)
-
-        hub_keys = ("push_to_hub", "repo_id", "private", "token", "commit_message", "commit_description", "create_pr")
-        hub_kwargs = {key: kwargs.pop(key) for key in hub_keys if key in kwargs}
-        check_save_directory(save_directory)  # a file: an error (transformers logs it and saves nothing)
-        parent_save = super().save_pretrained
-
-        def write(directory):
-            parent_save(directory, *args, save_original_format=save_original_format, **kwargs)
-
-        on_this_rank = self.should_save_on_this_rank(args[0] if args else kwargs.get("is_main_process", True))
-        # before the config is written: it keeps the card's lm-eval results
-        card = card_options(self, model_card) if on_this_rank else None
-        options = dict(remote_code=remote_code, model_card=card if card is not None else False, **hub_kwargs)
-        if on_this_rank and getattr(self, "_tp_size", None) is None:  # written beside, then swapped in (hub.py)
-            return save_model_directory(self, save_directory, write, **options)
-        write(save_directory)
-        if on_this_rank:
-            finish_save(self, save_directory, **options)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, always in our native layout. Where the `modeling_dcformer` package is
+        installed (`modeling_dcformer.hub.save_pretrained`, docs/hub.md): written beside and swapped in whole, with
+        the remote code for every Auto class (`remote_code=False`: none) and a model card README.md (`model_card`:
+        True, False or a dict of options such as `license`, `base_model`, `eval_results`); `push_to_hub=True` (with
+        `repo_id`, `private`, `token`, `commit_message`, `create_pr`) uploads the complete folder, and a failed
+        upload raises `hub.HubUploadError` saying how to retry. As remote code without the package: transformers'
+        own save (which copies the remote code too)."""
+        kwargs.setdefault("save_original_format", False)  # else transformers reverts the load-time renaming of released keys
+        try:
+            from modeling_dcformer.hub import save_pretrained
+        except ImportError:
+            kwargs.pop("remote_code", None), kwargs.pop("model_card", None)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        return save_pretrained(self, save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the model to the Hub repository `repo_id` in one commit: weights, config, the remote code and a
-        model card. Takes transformers' options (`commit_message`, `commit_description`, `private`, `token`,
-        `revision`, `create_pr`, `max_shard_size`, `tags`) and `license` (default "apache-2.0"), `base_model`,
-        `eval_results` (lm-eval results: a dict or a results JSON file), `remote_code`, `overwrite_model_card`
-        (a README.md on the Hub that this package did not generate is kept unless True). Returns the `CommitInfo`."""
-        from .hub import push_model
-
-        return push_model(self, repo_id, **kwargs)
+        model card (`modeling_dcformer.hub.push_to_hub`: transformers' `push_to_hub` would replace the card by the
+        Hub's or a blank one). Takes transformers' options (`commit_message`, `commit_description`, `private`,
+        `token`, `revision`, `create_pr`, `max_shard_size`, `tags`) and `license` (default "apache-2.0"),
+        `base_model`, `eval_results` (lm-eval results: a dict or a results JSON file), `remote_code`,
+        `overwrite_model_card`. Returns the `CommitInfo`; a failure is one `hub.HubUploadError`."""
+        try:
+            from modeling_dcformer.hub import push_to_hub
+        except ImportError:
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_to_hub(self, repo_id, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)

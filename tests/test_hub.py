@@ -20,13 +20,17 @@ import modeling_dcformer  # noqa: F401  (registers the auto classes)
 from conftest import ROOT, TINY, randomize_dyn_w
 from modeling_dcformer.conversion import caiyun_to_hf
 from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub, model_card
 from helpers import install_fake_hub
 from released_checkpoint import released_dir
 
-CODE_FILES = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "hub.py", "dcmha.py",
-              "dcmha_eager.py", "dcmha_compiled.py", "cache_dcformer.py",
-              "checkpoint_checks.py"}  # no kernel: they stay in the package
+# What computes travels (the model, its config, cache, the DCMHA interface and PyTorch backends, the load-time checks);
+# saving, cards, uploads and kernels stay in the package. `hub.remote_code_files()` finds them by relative imports.
+CODE_FILES = {p.name for p in hub.remote_code_files()}
+assert {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "dcmha.py", "dcmha_eager.py",
+        "dcmha_compiled.py", "cache_dcformer.py", "checkpoint_checks.py"} <= CODE_FILES
+assert not CODE_FILES & {"hub.py", "atomic_dir.py", "model_card.py", "trainer.py", "cpu_kernel.py",
+                         "triton_kernel.py"}
 LM_EVAL_RESULTS = {  # the shape of what lm-eval / dcformer-eval write (abridged)
     "results": {
         "piqa_local": {"alias": "piqa_local", "acc,none": 0.625, "acc_stderr,none": 0.125, "acc_norm,none": 0.5,
@@ -122,7 +126,7 @@ ISOLATED_SCRIPT = textwrap.dedent(
 
     for name in sys.argv[2:]:
         model = run(name, str(out / name))
-    # a model loaded as remote code saves (and so pushes) the same way, with the copies of the copies
+    # a model loaded as remote code saves with transformers' own save_pretrained: the copies of the copies, no card
     run("dcformer", str(out / "dcformer")).save_pretrained(out / "resaved", model_card={"overwrite": True})
     run("dcformer@resaved", str(out / "resaved"))
     report["top_level_modules"] = sorted({m.split(".")[0] for m in sys.modules if "dcformer" in m})
@@ -196,7 +200,7 @@ def test_remote_loaded_model_saves_loadable_remote_code(isolated, saved):
     native = load_native(resaved)
     native.config.dcmha_implementation = "eager"  # as above: the remote code's "auto" runs eager here
     assert torch.equal(logits_of(native, ids), expected)  # and natively here
-    assert ModelCard.load(resaved / "README.md").data.library_name == "transformers"
+    assert not (resaved / "README.md").exists()  # cards are written by the installed package only
 
 
 @pytest.mark.parametrize("name", ["dcformer", "dcpythia", "converted-pythia", "converted-released"])
@@ -213,7 +217,7 @@ def test_saved_directory_layout(saved, name):
     card = ModelCard.load(directory / "README.md")
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
     assert {"dcformer", "dcmha"} <= set(card.data.tags)
-    assert hub.is_generated_card(card.content)
+    assert model_card.is_generated_card(card.content)
     assert f'from_pretrained("{directory.name}", trust_remote_code=True)' in card.text
 
 
@@ -261,7 +265,7 @@ def test_card_eval_results_from_every_input_form(tmp_path):
     results_file.parent.mkdir(parents=True)
     results_file.write_text(json.dumps(LM_EVAL_RESULTS))
     for eval_results in (LM_EVAL_RESULTS, str(results_file), tmp_path / "lm-eval", LM_EVAL_RESULTS["results"]):
-        path = hub.write_model_card(tmp_path, DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=eval_results)
+        path = model_card.write_model_card(tmp_path, DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=eval_results)
         card = ModelCard.load(path)  # parses the YAML
         assert card.data.eval_results is None and "model-index:" not in card.content
         for row in ("| piqa_local | acc | 0.6250 | 0.1250 |", "| piqa_local | acc_norm | 0.5000 |  |",
@@ -271,21 +275,21 @@ def test_card_eval_results_from_every_input_form(tmp_path):
             assert row in card.text, row
         assert ("limit=8" in card.text) == (eval_results is not LM_EVAL_RESULTS["results"])  # lm-eval's `limit`
     with pytest.raises(ValueError, match="no metric"):
-        hub.model_card(DCFormerConfig(**TINY), model_name="x", eval_results={"results": {"piqa": {"alias": "p"}}})
+        model_card.model_card(DCFormerConfig(**TINY), model_name="x", eval_results={"results": {"piqa": {"alias": "p"}}})
 
 
 def test_card_base_model_and_provenance():
     config = DCFormerConfig(**TINY, converted_from="EleutherAI/pythia-70m", converted_from_revision="step1000",
                             converted_from_model_type="gpt_neox",
                             conversion={"exact": True, "max_logit_difference": 2e-6})
-    card = hub.model_card(config, model_name="dcpythia-70m", repo_id="me/dcpythia-70m")
+    card = model_card.model_card(config, model_name="dcpythia-70m", repo_id="me/dcpythia-70m")
     assert card.data.base_model == "EleutherAI/pythia-70m"
     assert "[EleutherAI/pythia-70m](https://huggingface.co/EleutherAI/pythia-70m) (revision step1000)" in card.text
     assert "2.0e-06" in card.text and 'from_pretrained("me/dcpythia-70m")' in card.text
     config.converted_from = "/data/checkpoints/my-neox"  # a local source is no base_model
-    card = hub.model_card(config, model_name="x", base_model=None, license=None)
+    card = model_card.model_card(config, model_name="x", base_model=None, license=None)
     assert card.data.base_model is None and card.data.license is None and "checkpoint `my-neox` (local)" in card.text
-    assert hub.model_card(config, model_name="x", base_model="org/base").data.base_model == "org/base"
+    assert model_card.model_card(config, model_name="x", base_model="org/base").data.base_model == "org/base"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -356,7 +360,8 @@ def test_pythia_converter_pushes_the_finished_directory(fake_hub, tmp_path, caps
     assert set(upload["files"]) == CODE_FILES | {"config.json", "model.safetensors", "README.md",
                                                 "generation_config.json"}  # (copied from the source)
     assert upload["config"]["auto_map"] == hub.AUTO_MAP
-    assert upload["config"]["converted_from"] == str(src.resolve())
+    config = upload["config"]  # the source's folder (its name, or its path before issue 28 item 9)
+    assert Path(config.get("converted_from") or config["converted_from_folder"]).name == "neox"
     card = ModelCard(upload["readme"])
     assert card.data.license == "apache-2.0" and card.data.base_model is None  # a local source
     assert "# dcpythia-tiny" in card.text and "exactly the source's function" in card.text

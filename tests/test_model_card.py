@@ -11,12 +11,14 @@ import re
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainingArguments
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
 from conftest import TINY, randomize_dyn_w
 from helpers import install_fake_hub
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, hub
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, hub, model_card
+from modeling_dcformer.evals.lm_eval_results import read_eval_results
+from modeling_dcformer.trainer import DCFormerTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -106,7 +108,7 @@ def fake_hub(monkeypatch, tmp_path):
 # Honest metadata (issue 19, item 7)
 # ----------------------------------------------------------------------------------------------------------------
 def test_only_whole_benchmark_runs_enter_the_model_index():
-    card = ModelCard(str(hub.model_card(DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=FULL_RUN)))
+    card = ModelCard(str(model_card.model_card(DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=FULL_RUN)))
     index = index_of(card)  # parsed back from the YAML
     assert set(index) == set(EXPECTED_INDEX)
     for key, (value, dataset, config, split) in EXPECTED_INDEX.items():
@@ -129,7 +131,7 @@ def test_smoke_runs_stay_out_of_the_model_index(run):
         results, why = {**FULL_RUN, "n-samples": samples}, "200 of the task's 1838 rows"
     else:  # the bare results mapping: no dataset, split or limit recorded
         results, why = FULL_RUN["results"], "no dataset and split"
-    card = ModelCard(str(hub.model_card(DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=results)))
+    card = ModelCard(str(model_card.model_card(DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=results)))
     assert card.data.eval_results is None and "model-index:" not in card.content
     rows = smoke_rows(card)
     assert set(rows) == {(task, metric) for task, metric in EXPECTED_INDEX} | {("piqa_local", "acc")}
@@ -143,7 +145,7 @@ def test_a_real_limited_lm_eval_run_is_a_smoke_run(tokenizer, tmp_path):
 
     model = tiny(vocab_size=len(tokenizer))
     harness.evaluate(model, tokenizer, ["piqa_local"], batch_size=4, limit=3, output_path=tmp_path / "lm-eval")
-    results = hub.read_eval_results(tmp_path / "lm-eval")
+    results = read_eval_results(tmp_path / "lm-eval")
     import lm_eval
 
     assert results["source"] == f"lm-evaluation-harness {lm_eval.__version__}"
@@ -197,7 +199,7 @@ def test_resaving_a_loaded_model_keeps_its_eval_results(tmp_path, caplog):
     reloaded.save_pretrained(tmp_path / "changed")
     card = ModelCard.load(tmp_path / "changed" / "README.md")
     assert card.data.eval_results is None and "## Evaluation" not in card.text
-    assert hub.CONFIG_EVAL_KEY not in json.loads((tmp_path / "changed" / "config.json").read_text())
+    assert model_card.CONFIG_EVAL_KEY not in json.loads((tmp_path / "changed" / "config.json").read_text())
     assert "measured on other weights" in caplog.text
 
 
@@ -216,27 +218,27 @@ def test_trainer_push_to_hub_keeps_the_dcformer_card(fake_hub, tmp_path):
     rows = [{"input_ids": list(range(i, i + 8)), "labels": list(range(i, i + 8))} for i in range(8)]
     args = TrainingArguments(str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
                              save_strategy="no", report_to="none", use_cpu=True, hub_model_id="tiny-trained")
-    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer = DCFormerTrainer(model=model, args=args, train_dataset=rows)
     trainer.train()
     trainer.push_to_hub()
 
     (upload,) = fake_hub.upload
     assert upload["repo_id"] == "me/tiny-trained" and upload["folder"] == tmp_path / "out"
     card = ModelCard(upload["readme"])
-    assert hub.is_generated_card(card.text)  # DCFormer's card, not Trainer's alone
+    assert model_card.is_generated_card(card.text)  # DCFormer's card, not Trainer's alone
     assert {"dcformer", "dcmha", "generated_from_trainer"} <= set(card.data.tags)
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
     assert 'AutoModelForCausalLM.from_pretrained("me/tiny-trained", trust_remote_code=True)' in card.text
     assert card.text.count("\n# ") == 1 and "\n# tiny-trained\n" in card.text
-    training = card.text.split(hub.TRAINER_SECTION, 1)[1].split("\n## ", 1)[0]  # Trainer's own text, merged
+    training = card.text.split(model_card.TRAINER_SECTION, 1)[1].split("\n## ", 1)[0]  # Trainer's own text, merged
     assert "Training hyperparameters" in training and "training_steps: 2" in training
     # the base model's lm-eval results measured other weights: not in the fine-tuned model's card or config
     assert card.data.eval_results is None and "## Evaluation" not in card.text
-    assert hub.CONFIG_EVAL_KEY not in upload["config"]
+    assert model_card.CONFIG_EVAL_KEY not in upload["config"]
     assert (tmp_path / "out" / "README.md").read_text() == upload["readme"]
 
     trainer.create_model_card(model_name="tiny-trained")  # again: still one Trainer section
-    assert (tmp_path / "out" / "README.md").read_text().count(hub.TRAINER_SECTION) == 1
+    assert (tmp_path / "out" / "README.md").read_text().count(model_card.TRAINER_SECTION) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -253,7 +255,8 @@ def test_failed_upload_leaves_a_complete_directory(fake_hub, tmp_path, stage):
     message = str(failure.value)
     assert f"saved the model to {target}" in message and "network is unreachable" in message
     assert f"hf upload me/tiny-dc {target}" in message and "push_to_hub('me/tiny-dc')" in message
-    assert isinstance(failure.value.__cause__, ConnectionError) and not fake_hub.upload
+    assert isinstance(failure.value.cause, ConnectionError) and not fake_hub.upload
+    assert failure.value.__cause__ is None and failure.value.__suppress_context__  # no chained traceback
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-dc"]  # no unfinished save beside it
     names = {p.name for p in target.iterdir()}
