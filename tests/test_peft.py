@@ -1,5 +1,6 @@
-"""PEFT LoRA on DCFormer: `LoraConfig(task_type="CAUSAL_LM")` without `target_modules` adapts the attention's and
-the MLP's linear layers (peft's default table, filled in by `import modeling_dcformer`), as `"all-linear"` does; a
+"""PEFT LoRA on DCFormer: `LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear")` (or
+`modeling_dcformer.LORA_TARGET_MODULES`) adapts the attention's and the MLP's linear layers; peft's own table of
+defaults is left alone (importing the package patches no other library), so naming no targets is peft's error; a
 few optimizer steps change the output; `merge_and_unload` gives W + (alpha / r) B A, computed here by hand, and
 the merged model saves and reloads to the same logits, which match the oracle run on the hand-merged weights. The
 DCMHA composition weights (`dyn_w_proj`) stay frozen, or train in full through `modules_to_save`."""
@@ -52,7 +53,7 @@ def test_default_lora_targets_are_the_attention_and_mlp_projections(body):
         for i in range(LAYERS)
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", *(f"mlp.{m}" for m in mlp))
     }
-    for target_modules in (None, "all-linear"):  # peft's default for the model type, and the common recipe
+    for target_modules in ("all-linear", modeling_dcformer.LORA_TARGET_MODULES):  # the recipe, and our list
         model = tiny(config_class, **overrides)
         assert model.config.model_type == ("dcpythia" if config_class is DCPythiaConfig else "dcformer")
         lora = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=target_modules))
@@ -63,6 +64,16 @@ def test_default_lora_targets_are_the_attention_and_mlp_projections(body):
     assert set(modeling_dcformer.LORA_TARGET_MODULES) == {"qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
+def test_peft_defaults_are_not_patched():
+    """peft's table of default targets has no DCFormer entry (it did while `import modeling_dcformer` filled it in):
+    a LoraConfig that names no targets gets peft's own error, which says to name them."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+    assert "dcformer" not in defaults and "dcpythia" not in defaults
+    with pytest.raises(ValueError, match="target_modules"):
+        get_peft_model(tiny(), LoraConfig(task_type="CAUSAL_LM", r=4))
+
+
 @pytest.mark.parametrize("modules_to_save", [None, ["dyn_w_proj"]], ids=["dyn-frozen", "dyn-trained"])
 def test_lora_finetune_merge_save_and_reload(tmp_path, modules_to_save):
     rank, alpha = 4, 8
@@ -70,7 +81,8 @@ def test_lora_finetune_merge_save_and_reload(tmp_path, modules_to_save):
     base = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     ids = input_ids()
     before = logits_of(model, ids)
-    config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, modules_to_save=modules_to_save)
+    config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, target_modules="all-linear",
+                        modules_to_save=modules_to_save)
     lora = get_peft_model(model, config)
     trainable = [p for p in lora.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)
