@@ -21,22 +21,25 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from .common import (
+from modeling_dcformer import DCFormerConfig
+from modeling_dcformer.conversion.common import (
     ShardWriter,
     add_hub_arguments,
-    atomic_output_dir,
+    check_destination,
+    checkpoint_fingerprint,
     copy_tokenizer_files,
     expected_shapes,
     iter_shard,
+    output_directory,
     parse_dtype,
     parse_size,
     push_output,
     read_config,
     resolve_source,
+    source_provenance,
     weight_files,
     write_shareable,
 )
-from modeling_dcformer import DCFormerConfig
 from modeling_dcformer.hub import HubUploadError, check_repo_id
 from modeling_dcformer.released_format import SPLIT_QKV, is_released_config, native_key, query_wise_slots
 
@@ -73,6 +76,7 @@ def convert(
     `push_to_hub` (a repository id) uploads `dst` once complete (`private`, `token`)."""
     if push_to_hub is not None:
         check_repo_id(push_to_hub)
+    check_destination(dst, overwrite)  # refused before a download or any work
     src_dir = resolve_source(src, revision)
     raw_config = read_config(src_dir)
     if not is_released_config(raw_config):
@@ -81,14 +85,14 @@ def convert(
             "a checkpoint already in our layout loads with from_pretrained as it is"
         )
     config = DCFormerConfig.from_dict(raw_config)
-    config.converted_from = src if not Path(src).is_dir() else str(Path(src).resolve())
-    config.converted_from_revision = revision
+    for key, value in source_provenance(src, src_dir, revision).items():
+        setattr(config, key, value)
     shapes = expected_shapes(config)
     target_dtype = parse_dtype(dtype)
     files = weight_files(src_dir)
     dst_path = Path(dst)
 
-    with atomic_output_dir(dst_path, overwrite, source=src_dir) as tmp:
+    with output_directory(dst_path, overwrite, source=src_dir) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         written: dict[str, torch.dtype] = {}
         split_parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
@@ -139,6 +143,7 @@ def convert(
         saved_dtypes = {target_dtype} if target_dtype is not None else set(written.values())
         config.dtype = max(saved_dtypes, key=lambda d: torch.finfo(d).bits) if saved_dtypes else None
         config.architectures = ["DCFormerForCausalLM"]
+        config.conversion = {"tool": "dcformer-convert-released", "weights": checkpoint_fingerprint(tmp, config)}
         config.save_pretrained(tmp)
         copied = copy_tokenizer_files(src_dir, tmp)
         logger.info(f"copied tokenizer files: {copied}")

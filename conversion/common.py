@@ -2,19 +2,23 @@
 safetensors shards, and producing the output directory atomically (all or nothing)."""
 
 import errno
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from filelock import FileLock, Timeout
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers.utils import logging
+
+from modeling_dcformer import atomic_dir
 
 logger = logging.get_logger("dcformer.conversion")
 
@@ -73,11 +77,23 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
         raise OSError(f"downloading {src!r} from the Hub failed ({one_line(err)}); run again to resume it") from None
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`, or a one-line ValueError naming the file (a hand-edited or truncated config or
+    index reads as "Expecting value: line 1 column 1" otherwise, which names nothing)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({one_line(err)})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def read_config(src: Path) -> dict:
     config_file = src / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {src}")
-    return json.loads(config_file.read_text())
+    return read_json(config_file)
 
 
 def weight_files(src: Path) -> list[Path]:
@@ -88,7 +104,10 @@ def weight_files(src: Path) -> list[Path]:
     ):
         index = src / index_name
         if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"{index} has no weight_map of tensor names to file names")
+            names = sorted(set(weight_map.values()))
             missing = [name for name in names if not (src / name).is_file()]
             if missing:
                 raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
@@ -101,14 +120,42 @@ def weight_files(src: Path) -> list[Path]:
     return loose
 
 
-def iter_shard(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors of one weight file, read one at a time (safetensors) or memory-mapped (.bin)."""
-    if path.suffix == ".safetensors":
+def unreadable(path: Path, err: BaseException) -> ValueError:
+    """The one-line error for a weight file that cannot be read (truncated, garbage, not a checkpoint)."""
+    return ValueError(f"cannot read the weight file {path}: it is truncated or corrupt ({one_line(err)})")
+
+
+def shard_keys(path: Path) -> list[str]:
+    """The tensor names of a safetensors file (its header only), or a one-line error naming the file."""
+    try:
         with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise unreadable(path, err) from None
+
+
+def iter_shard(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of one weight file, read one at a time (safetensors) or memory-mapped (.bin). A file that cannot be
+    read is a one-line ValueError naming it."""
+    if path.suffix == ".safetensors":
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise unreadable(path, err) from None
+        with handle as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                try:
+                    tensor = f.get_tensor(key)
+                except (SafetensorError, OSError, RuntimeError) as err:
+                    raise unreadable(path, err) from None
+                yield key, tensor
     else:
-        state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        try:
+            state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        except (pickle.UnpicklingError, EOFError, OSError, RuntimeError, ValueError) as err:
+            raise unreadable(path, err) from None
+        if not isinstance(state, dict):
+            raise ValueError(f"{path} holds a {type(state).__name__}, not a dictionary of tensors")
         for key in list(state):
             yield key, state.pop(key)
         del state
@@ -150,7 +197,10 @@ class ShardWriter:
         if not self.buffer:
             return
         name = f"shard-{len(self.shards):05d}.tmp"
-        save_file(self.buffer, str(self.directory / name), metadata={"format": "pt"})
+        try:
+            save_file(self.buffer, str(self.directory / name), metadata={"format": "pt"})
+        except (SafetensorError, OSError) as err:  # safetensors reports a full disk as its own error type
+            raise write_error(self.directory / name, err) from None
         self.shards.append((name, list(self.buffer)))
         self.buffer, self.buffer_bytes = {}, 0
 
@@ -171,11 +221,19 @@ class ShardWriter:
         return names
 
 
-def check_destination(dst: Path, overwrite: bool) -> None:
-    if dst.exists() and not dst.is_dir():
-        raise FileExistsError(f"destination {dst} exists and is not a directory")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise FileExistsError(f"destination {dst} is not empty; pass --overwrite to replace its contents")
+def write_error(path: Path, err: BaseException) -> OSError:
+    """A one-line OSError for a failed write of `path` that keeps the system's error number (a full disk stays
+    ENOSPC) wherever it can be read: safetensors wraps it into a message of its own ("... (os error 28)")."""
+    code = getattr(err, "errno", None)
+    if code is None:
+        match = re.search(r"os error (\d+)", str(err))
+        code = int(match.group(1)) if match else None
+    if code is None:
+        return OSError(f"cannot write {path}: {one_line(err)}")
+    return OSError(code, f"cannot write {path}: {os.strerror(code)}")
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def check_not_source(dst: Path, source: Path | None) -> None:
@@ -191,124 +249,69 @@ def check_not_source(dst: Path, source: Path | None) -> None:
         raise ValueError(f"destination {dst} contains the source checkpoint {source}: choose another output directory")
 
 
-@contextmanager
-def claim_destination(dst: Path):
-    """Hold an exclusive lock (`.NAME.lock` beside `dst`) for as long as this process writes `dst`: a second
-    conversion into the same destination fails at once instead of racing this one. The lock dies with the
-    process (a crash never leaves it held) and its file is removed when done."""
-    lock_path = dst.parent / f".{dst.name}.lock"
+def check_replaceable(real: Path, dst) -> None:
+    """Refuse a destination that a conversion cannot replace as a whole: the current directory or one holding it
+    (the result takes that folder's place: a shell inside it would be left in a deleted folder, and everything
+    else the folder holds would go), or a mount point (no rename replaces it)."""
     try:
-        import fcntl
-    except ImportError:  # not POSIX: the lock library transformers already depends on
-        from filelock import FileLock, Timeout
-
-        lock = FileLock(str(lock_path), timeout=0)
-        try:
-            lock.acquire()
-        except Timeout:
-            raise FileExistsError(
-                f"another conversion is writing {dst} (lock {lock_path}): wait for it or choose another destination"
-            ) from None
-        try:
-            yield
-        finally:
-            lock.release()
-        return
-    for _ in range(10):
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            holder = os.read(fd, 32).decode(errors="replace").strip()
-            os.close(fd)
-            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
-            raise FileExistsError(
-                f"another conversion{f' (process {holder})' if holder else ''} is writing {dst}: wait for it to "
-                "finish or choose another destination"
-            ) from None
-        try:
-            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # the previous holder removed the file between our open and our lock: take the new one
-    else:
-        raise FileExistsError(f"cannot lock {lock_path}: other conversions keep taking it")
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        yield
-    finally:
-        try:
-            os.unlink(lock_path)
-        except OSError:
-            pass
-        os.close(fd)
+        cwd = Path.cwd().resolve()
+    except OSError:  # the working directory was deleted: nothing to protect
+        cwd = None
+    if cwd is not None and (cwd == real or real in cwd.parents):
+        what = "is" if cwd == real else "holds"
+        raise ValueError(
+            f"destination {dst} {what} the current directory ({cwd}): a conversion replaces its destination folder "
+            "as a whole; run it from outside that folder or choose another destination"
+        )
+    if os.path.ismount(real):
+        raise ValueError(f"destination {dst} is a mount point, which cannot be replaced: choose a folder inside it")
 
 
-def clean_stale_siblings(dst: Path) -> list[Path]:
-    """Once `dst` is claimed, the hidden siblings of earlier runs into it are left-overs of a crash or a kill:
-    a replaced old copy is put back if `dst` is missing (see `swap_directory`), and the `.NAME.partial-*` and
-    `.NAME.replaced-*` directories (unfinished outputs, superseded copies) are removed. Says what it did."""
-    from modeling_dcformer.hub import glob_escape, restore_replaced
-
-    restore_replaced(dst)  # logs what it restored
-    removed = []
-    for kind in ("partial", "replaced"):
-        for stale in sorted(dst.parent.glob(f".{glob_escape(dst.name)}.{kind}-*")):
-            if stale.is_dir() and not stale.is_symlink():
-                size = sum(f.stat().st_size for f in stale.rglob("*") if f.is_file() and not f.is_symlink())
-                shutil.rmtree(stale)
-                removed.append(stale)
-                logger.warning(
-                    f"removed {stale} ({size / 1e6:.1f} MB), left behind by an interrupted conversion into {dst}"
-                )
-    return removed
+def check_empty(real: Path, dst, overwrite: bool) -> None:
+    if not overwrite and real.is_dir() and any(real.iterdir()):
+        raise FileExistsError(f"destination {dst} is not empty; pass --overwrite to replace its contents")
 
 
-def install_output(tmp: Path, dst: Path, overwrite: bool) -> None:
-    """Put the finished `tmp` at `dst` without ever deleting what this run did not create: an absent or empty
-    `dst` is taken by one rename (which fails if another process filled it meanwhile); with `overwrite` an existing
-    one is swapped atomically (`swap_directory`), so a crash at any moment leaves one complete copy."""
-    from modeling_dcformer.hub import swap_directory
-
-    if overwrite and dst.is_dir() and any(dst.iterdir()):
-        swap_directory(tmp, dst)
-        return
-    try:
-        os.rename(tmp, dst)  # POSIX: replaces an empty directory only
-    except OSError as err:
-        if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise FileExistsError(
-                f"destination {dst} was filled by another process during the conversion: left as it is, the "
-                "result was discarded; run again (with --overwrite to replace it) or choose another destination"
-            ) from None
-        raise
+def check_destination(dst, overwrite: bool = False, source: Path | None = None) -> Path:
+    """Every refusal of a destination that can be known before converting (so that none comes after hours of
+    work): the real folder `dst` names (a symbolic link: the folder it points to), or a one-line error."""
+    real = atomic_dir.resolve(dst)  # a file there: NotADirectoryError
+    check_not_source(real, source)
+    check_replaceable(real, dst)
+    check_empty(real, dst, overwrite)
+    return real
 
 
 @contextmanager
-def atomic_output_dir(dst: Path, overwrite: bool = False, source: Path | None = None):
-    """Yields a temporary directory beside `dst`; on success it takes `dst`'s place (`install_output`), on failure
-    it is removed, so `dst` is either the complete result or untouched. `dst` is claimed for the whole run
-    (`claim_destination`), and may not be, hold or lie inside `source`; left-overs of earlier interrupted runs
-    into `dst` are cleaned up first (`clean_stale_siblings`)."""
-    dst = Path(dst)
-    check_not_source(dst, source)
-    if dst.exists() and not dst.is_dir():
-        raise FileExistsError(f"destination {dst} exists and is not a directory")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with claim_destination(dst):
-        clean_stale_siblings(dst)
-        check_destination(dst, overwrite)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-        try:
+def output_directory(dst, overwrite: bool = False, source: Path | None = None):
+    """Yields an empty hidden folder to write the conversion into; on success it takes the place of the folder `dst`
+    names (`atomic_dir.replacing`: one swap, a crash at any moment leaves one complete copy; a symbolic link stays
+    a link and its folder gets the result), on any failure `dst` is left as it was. Destinations that cannot be
+    taken are refused before any work (`check_destination`); a second conversion into the same folder fails at
+    once instead of waiting hours for the first; a failed write (a full disk) is one line naming `dst`."""
+    real = check_destination(dst, overwrite, source)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(real.with_name(f".{real.name}.lock")), timeout=0)  # the lock atomic_dir.replacing takes
+    try:
+        lock.acquire()
+    except Timeout:
+        raise FileExistsError(
+            f"another conversion is writing {dst}: wait for it to finish or choose another destination"
+        ) from None
+    lock.release()  # (a writer that takes it now is waited for, then the destination is checked again)
+    try:
+        with atomic_dir.replacing(real, overwrite=overwrite) as tmp:
+            check_empty(real, dst, overwrite)  # filled while this run waited for the lock
             yield tmp
-            install_output(tmp, dst, overwrite)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as err:
+        if err.errno not in DISK_FULL:
             raise
+        where = f" ({err.filename})" if err.filename else ""
+        raise OSError(
+            err.errno,
+            f"writing the conversion into {dst} failed: {err.strerror}{where}; {dst} was left as it was and the "
+            "partial output removed",
+        ) from None
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
@@ -331,6 +334,59 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def snapshot_of(src_dir: Path) -> tuple[str | None, str | None]:
+    """(Hub id, commit) of a directory in the Hub cache (`.../models--NAMESPACE--NAME/snapshots/<sha>`), else
+    (None, None)."""
+    repo, parent = src_dir.parent.parent.name, src_dir.parent.name
+    if parent == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", src_dir.name) and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/"), src_dir.name
+    return None, None
+
+
+def source_provenance(src: str, src_dir: Path, revision: str | None = None) -> dict:
+    """Where a converted model comes from, as a reader of its config (or of its card, once uploaded) can use it:
+    `converted_from` a Hub id (given, or recovered from a Hub cache folder) with `converted_from_revision` and
+    `converted_from_commit`; for any other local folder only `converted_from_folder`, its name. Never an absolute
+    local path: it means nothing elsewhere and an upload would publish it."""
+    repo_id, commit = snapshot_of(src_dir)
+    if not Path(src).is_dir():  # a Hub id, downloaded into the cache
+        repo_id = src
+    folder = None if repo_id else Path(os.path.abspath(src_dir)).name
+    return dict(
+        converted_from=repo_id,
+        converted_from_folder=folder,
+        converted_from_revision=revision,
+        converted_from_commit=commit,
+    )
+
+
+def checkpoint_fingerprint(directory: Path, config) -> str:
+    """sha256 of the weights a DCFormer checkpoint loads as, in `hub.weights_fingerprint`'s scheme (each tensor of
+    the model's state dict in name order: name, dtype, shape, bytes; in `config.dtype`, which `from_pretrained`
+    loads; a tied head is the embedding). Computed from the files, one tensor in memory at a time, so that a
+    model card can tell whether a model saved later still holds exactly the converted weights."""
+    from modeling_dcformer import DCFormerForCausalLM
+
+    with torch.device("meta"):
+        names = sorted(DCFormerForCausalLM(config).state_dict())
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))
+    where = {key: file for file in weight_files(directory) for key in shard_keys(file)}
+    digest = hashlib.sha256()
+    handles = {}
+    try:
+        for name in names:
+            stored = "model.embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
+            file = where[stored]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt")
+            tensor = handles[file].get_tensor(stored).to(dtype).contiguous()
+            digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    finally:
+        handles.clear()
+    return "sha256:" + digest.hexdigest()
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:

@@ -24,7 +24,6 @@ package is not installed; `--push-to-hub REPO` then uploads it:
 """
 
 import argparse
-import json
 import math
 import re
 import shutil
@@ -36,22 +35,27 @@ from tqdm.auto import tqdm
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
-from .common import (
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.conversion.common import (
     ShardWriter,
     add_hub_arguments,
-    atomic_output_dir,
+    check_destination,
+    checkpoint_fingerprint,
     copy_tokenizer_files,
     expected_shapes,
     iter_shard,
+    output_directory,
     parse_dtype,
     parse_size,
     push_output,
     read_config,
+    read_json,
     resolve_source,
+    shard_keys,
+    source_provenance,
     weight_files,
     write_shareable,
 )
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 from modeling_dcformer.hub import HubUploadError, check_repo_id
 from modeling_dcformer.modeling_dcformer import DynamicWeightProjection
 
@@ -283,26 +287,13 @@ def new_layer_tensors(
     return tensors
 
 
-def snapshot_revision(src_dir: Path) -> str | None:
-    """The commit of a Hub snapshot directory (`.../snapshots/<sha>`), None for any other directory."""
-    if src_dir.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", src_dir.name):
-        return src_dir.name
-    return None
-
-
 def count_tensors(files: list[Path]) -> int | None:
     """How many tensors the checkpoint holds (for the progress bar), when cheap to know."""
     index = sorted(files[0].parent.glob("*.index.json")) if files else []
     if index:
-        return len(json.loads(index[0].read_text()).get("weight_map", {})) or None
+        return len(read_json(index[0]).get("weight_map") or {}) or None
     if all(f.suffix == ".safetensors" for f in files):
-        from safetensors import safe_open
-
-        total = 0
-        for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                total += len(list(handle.keys()))
-        return total
+        return sum(len(shard_keys(f)) for f in files)
     return None
 
 
@@ -416,12 +407,11 @@ def convert(
     is_local = Path(src).is_dir()
     if is_local and revision is not None:
         raise ValueError(f"--revision applies to Hub ids only; {src} is a local directory")
+    check_destination(dst, overwrite)  # refused before a download or any work
     src_dir = resolve_source(src, revision)
     source_config = read_gpt_neox_config(read_config(src_dir), src)
     provenance = dict(
-        converted_from=str(Path(src).resolve()) if is_local else src,
-        converted_from_revision=revision,
-        converted_from_commit=snapshot_revision(src_dir),
+        **source_provenance(src, src_dir, revision),
         converted_from_model_type="gpt_neox",
         conversion={
             "tool": "dcformer-convert-pythia",
@@ -462,7 +452,7 @@ def convert(
     if cast_after_verify:
         compared = f"fp32, before casting to {str(target_dtype).removeprefix('torch.')}"
 
-    with atomic_output_dir(dst_path, overwrite, source=src_dir) as tmp:
+    with output_directory(dst_path, overwrite, source=src_dir) as tmp:
         out = tmp / "uncast" if cast_after_verify else tmp
         out.mkdir(exist_ok=True)
         write_dtype = None if cast_after_verify else target_dtype
@@ -554,6 +544,8 @@ def convert(
                 f"verify: after casting to {name}: max |logit difference| = {rounded:.3e} (the {name} rounding of "
                 "the weights, run in fp32; for information, not checked)"
             )
+        # What the card needs to stay true after fine-tuning: which weights computed the source's function.
+        config.conversion = {**config.conversion, "weights": checkpoint_fingerprint(tmp, config)}
         config.save_pretrained(tmp)
         copied = copy_tokenizer_files(src_dir, tmp)
         logger.info(f"copied tokenizer files: {copied}")

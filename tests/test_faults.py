@@ -3,9 +3,10 @@
 Crashes are simulated deterministically: an exception (or a snapshot of the disk, standing for a SIGKILL that runs no
 clean-up) injected at a named step. Every model and tokenizer is built here; nothing is downloaded.
 
-- converters (conversion/common.py): a destination is claimed for the whole run (a second conversion into it fails,
-  another process's files are never deleted), is never the source, is replaced by an atomic swap (a crash at any
-  moment leaves one complete copy), and left-overs of interrupted runs are cleaned up on the next run, saying so;
+- converters (conversion/common.py over modeling_dcformer/atomic_dir.py): a destination is claimed for the whole run
+  (a second conversion into it fails, another process's files are never deleted), is never the source, is replaced by
+  an atomic swap (a crash at any moment leaves one complete copy), and left-overs of interrupted runs are cleaned up
+  on the next run, saying so;
   --tolerance nan and a mistyped local path are one-line errors;
 - save_pretrained (modeling_dcformer/hub.py): a file is an error; a failed re-save changes nothing;
 - train_clm.py: divergence stops training without saving a non-finite model; resuming reuses the checkpoint's
@@ -24,7 +25,7 @@ import torch
 import modeling_dcformer  # noqa: F401  (registers the Auto classes)
 from modeling_dcformer.conversion import caiyun_to_hf, common
 from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, hub
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, atomic_dir, hub
 from released_checkpoint import released_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -113,7 +114,7 @@ def test_files_another_process_puts_into_the_destination_are_never_deleted(relea
         return names
 
     monkeypatch.setattr(common.ShardWriter, "finish", finish)
-    with pytest.raises(FileExistsError, match="filled by another process"):
+    with pytest.raises(FileExistsError, match="not empty: left as it is"):
         convert_released(released, dst)
     assert tree(dst) == {"theirs.txt": b"someone else's"}
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
@@ -140,7 +141,7 @@ def test_overwrite_swaps_atomically(released, tmp_path, monkeypatch):
     convert_released(released, dst)
     (dst / "old-marker.txt").write_text("old")
     old = tree(dst)
-    real_exchange = hub._exchange
+    real_exchange = atomic_dir._exchange
     snapshots = {}
 
     def exchange(a, b):
@@ -149,7 +150,7 @@ def test_overwrite_swaps_atomically(released, tmp_path, monkeypatch):
         snapshots["after"] = crash_snapshot(tmp_path, tmp_path.parent / f"after-{tmp_path.name}")
         return done
 
-    monkeypatch.setattr(hub, "_exchange", exchange)
+    monkeypatch.setattr(atomic_dir, "_exchange", exchange)
     convert_released(released, dst, overwrite=True)
     new = tree(dst)
     assert "old-marker.txt" not in new and new.keys() >= {"config.json", "model.safetensors"}
@@ -164,22 +165,25 @@ def test_overwrite_after_a_kill_mid_swap_restores_then_replaces(released, tmp_pa
     (dst / "old-marker.txt").write_text("old")
     old = tree(dst)
     crashed = tmp_path.parent / f"crashed-{tmp_path.name}"
-    monkeypatch.setattr(hub, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic_dir, "_exchange", lambda a, b: False)  # the fallback: two renames
+    real_replace = os.replace
 
-    def killed_put_in_place(new, target):
-        crash_snapshot(tmp_path, crashed)
-        raise Killed
+    def killed_between_the_renames(a, b):
+        if Path(b) == dst.resolve() and ".out.tmp-" in Path(a).name:  # the old copy is aside, the new one not in
+            crash_snapshot(tmp_path, crashed)
+            raise Killed
+        return real_replace(a, b)
 
-    monkeypatch.setattr(hub, "_put_in_place", killed_put_in_place)
+    monkeypatch.setattr(atomic_dir.os, "replace", killed_between_the_renames)
     with pytest.raises(Killed):
         convert_released(released, dst, overwrite=True)
     monkeypatch.undo()
-    assert not (crashed / "out").exists() and tree(next(crashed.glob(".out.replaced-*"))) == old
-    assert list(crashed.glob(".out.partial-*"))  # the unfinished new output, hidden
+    assert not (crashed / "out").exists() and tree(next(crashed.glob(".out.old-*"))) == old
+    assert list(crashed.glob(".out.tmp-*"))  # the unfinished new output, hidden
     with pytest.raises(FileExistsError, match="not empty"):  # next run without --overwrite: restored, refused
         convert_released(crashed / "src", crashed / "out")
     assert tree(crashed / "out") == old
-    assert "restored the previous copy" in caplog.text and "interrupted conversion" in caplog.text
+    assert "previous copy was put back" in caplog.text and "interrupted write" in caplog.text
     assert not [p for p in crashed.iterdir() if p.name.startswith(".out.")]
     convert_released(crashed / "src", crashed / "out", overwrite=True)
     assert "old-marker.txt" not in tree(crashed / "out")
@@ -202,13 +206,13 @@ def test_interrupted_conversion_leftovers_are_cleaned_up_next_run(released, tmp_
         convert_released(released, dst)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # an error: cleaned up at once
     monkeypatch.undo()
-    (partial,) = crashed.glob(".out.partial-*")  # a kill: the hidden partial output stays...
+    (partial,) = crashed.glob(".out.tmp-*")  # a kill: the hidden partial output stays...
     assert any(partial.iterdir())
-    other = crashed / ".other.partial-abc"  # (another destination's: not this run's business)
+    other = crashed / ".other.tmp-abc"  # (another destination's: not this run's business)
     other.mkdir()
     convert_released(crashed / "src", crashed / "out")  # ...until the next run into the same destination
     assert not partial.exists() and other.exists()
-    assert f"removed {partial}" in caplog.text and "interrupted conversion" in caplog.text
+    assert f"removed {partial}" in caplog.text and "interrupted write" in caplog.text
     assert (crashed / "out" / "model.safetensors").is_file()
 
 
@@ -616,7 +620,7 @@ def test_a_real_sigkill_mid_conversion_is_cleaned_up_by_the_next_run(released, t
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     result = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
-    (partial,) = tmp_path.glob(".out.partial-*")
+    (partial,) = tmp_path.glob(".out.tmp-*")
     assert any(partial.iterdir()) and not dst.exists()
     convert_released(released, dst)
     assert not partial.exists() and f"removed {partial}" in caplog.text

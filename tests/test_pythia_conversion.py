@@ -130,7 +130,13 @@ def test_converted_logits_equal_source(variant, make_source, tokenizer, tmp_path
     assert isinstance(model, DCFormerForCausalLM)
     source = GPTNeoXForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
     cfg = model.config
-    assert cfg.converted_from == str(src.resolve()) and cfg.converted_from_model_type == "gpt_neox"
+    # provenance a reader can use: the folder's name, never the absolute local path (issue 28, item 9)
+    assert cfg.converted_from is None and cfg.converted_from_folder == src.name
+    assert cfg.converted_from_model_type == "gpt_neox"
+    assert str(src.parent) not in (tmp_path / "dst" / "config.json").read_text()
+    from modeling_dcformer.model_card import weights_fingerprint
+
+    assert cfg.conversion["weights"] == weights_fingerprint(model)  # which weights compute the source's function
     assert cfg.conversion["exact"] and cfg.conversion["max_logit_difference"] <= 1e-4
     assert cfg.vocab_size == 320 > len(tokenizer)  # padded vocabulary kept
     assert cfg.partial_rotary_factor == source.config.rope_parameters["partial_rotary_factor"]
