@@ -8,7 +8,7 @@ clean-up) injected at a named step. Every model and tokenizer is built here; not
   an atomic swap (a crash at any moment leaves one complete copy), and left-overs of interrupted runs are cleaned up
   on the next run, saying so;
   --tolerance nan and a mistyped local path are one-line errors;
-- save_pretrained (modeling_dcformer/hub.py): a file is an error; a failed re-save changes nothing;
+- save_pretrained (modeling_dcformer/hub.py, atomic_dir.py): a file is an error; a failed re-save changes nothing;
 - train_clm.py: divergence stops training without saving a non-finite model; resuming reuses the checkpoint's
   tokenizer and skips a checkpoint whose write was interrupted; bad training data is a one-line error;
 - evals: a missing model path and a limit of 0 or -1 are one-line errors.
@@ -428,14 +428,14 @@ def test_killed_resave_leaves_one_complete_save(tmp_path, monkeypatch, caplog):
         crash_snapshot(tmp_path, crashed)
         raise Killed
 
-    monkeypatch.setattr(hub, "_exchange", killed_exchange)
+    monkeypatch.setattr(atomic_dir, "_exchange", killed_exchange)
     with pytest.raises(Killed):
         tiny_dcformer(1).save_pretrained(path)
     assert tree(path) == old and tree(crashed / "model") == old
     loaded = DCFormerForCausalLM.from_pretrained(crashed / "model")
     assert torch.equal(loaded.model.embed_tokens.weight, tiny_dcformer(0).model.embed_tokens.weight)
     monkeypatch.undo()
-    (unfinished,) = crashed.glob(".model.saving-*")  # the killed save's files: removed by the next save, saying so
+    (unfinished,) = crashed.glob(".model.tmp-*")  # the killed save's files: removed by the next save, saying so
     caplog.clear()
     tiny_dcformer(1).save_pretrained(crashed / "model")
     assert not unfinished.exists() and [p.name for p in crashed.iterdir()] == ["model"]
