@@ -29,8 +29,8 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
 from .cache_dcformer import DCFormerCache
-from .configuration_dcformer import DCFormerConfig
-from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch
+from .configuration_dcformer import DCFormerConfig, check_attn_implementation
+from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch, describe_unreadable
 from .dcmha import DCMHAInputs, dcmha_attention
 from .released_format import IGNORED as RELEASED_IGNORED_KEYS
 from .released_format import register_released_layout
@@ -336,8 +336,12 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         self, attn_implementation: str | dict | None, is_init_check: bool = False, allow_all_kernels: bool = False
     ) -> str:
         """transformers' check of `attn_implementation` at init: for DCFormer, a DCMHA implementation (see
-        `set_attn_implementation`); None keeps the config's."""
-        self.config._attn_implementation = attn_implementation  # checked and stored as dcmha_implementation
+        `set_attn_implementation`); None keeps the config's. transformers' own functions are refused here, when a
+        model is built, as transformers does (a config only records the request)."""
+        if attn_implementation is not None:
+            check_attn_implementation(attn_implementation if not isinstance(attn_implementation, dict) else
+                                      attn_implementation.get("", self.config.dcmha_implementation))
+        self.config._attn_implementation = attn_implementation  # stored as dcmha_implementation
         return self.config._attn_implementation
 
     def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False):
@@ -346,7 +350,7 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         backend). transformers' own attention functions ("sdpa", "flash_attention_2", "flex_attention", ...) cannot
         compose heads: a ValueError says so. The same holds for `from_pretrained(..., attn_implementation=...)` and
         `from_config(..., attn_implementation=...)`; `config._attn_implementation` reads `dcmha_implementation`."""
-        self.config._attn_implementation = attn_implementation
+        self._check_and_adjust_attn_implementation(attn_implementation)
 
     @property
     def model_tags(self) -> list[str]:
@@ -382,7 +386,13 @@ class DCFormerPreTrainedModel(PreTrainedModel):
                 )
         if config is not None:  # the released layout's names for this body (its MLP's w1 depends on it)
             register_released_layout(config.model_type, config.use_gated_mlp)
-        model, info = super().from_pretrained(*args, **kwargs)
+        try:
+            model, info = super().from_pretrained(*args, **kwargs)
+        except Exception:  # an unreadable weight file or shard index: one line naming it (checkpoint_checks.py)
+            problem = describe_unreadable(source, subfolder=kwargs.get("subfolder", ""), **config_kwargs)
+            if problem is None:
+                raise
+            raise OSError(problem) from None
         check_dtypes(source, checkpoint_files(source, subfolder=kwargs.get("subfolder", ""), **config_kwargs))
         if not want_info:
             problem = describe_mismatch(
