@@ -338,3 +338,42 @@ def describe_unreadable(source, *, subfolder: str = "", **hub_kwargs) -> str | N
             return problem
     return None
 
+
+
+def quantization_summary(config) -> str | None:
+    """One sentence saying how a model was quantized, for its model card; None for a model that is not.
+
+    Reads `config.quantization_config` (transformers' config object after a load, or the dict of a config.json):
+    bitsandbytes 8-bit or 4-bit (with its type, compute dtype and double quantization), torchao (its config's type),
+    or any other method by name. The dynamic-weight generator (dw1, qkw, dd) and the norms are never quantized:
+    transformers' quantizers replace nn.Linear layers (and, when asked, embeddings), which they are not."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return None
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    method = quantization.get("quant_method", "unknown")
+    if method == "bitsandbytes" and quantization.get("load_in_4bit"):
+        details = [quantization.get("bnb_4bit_quant_type", "fp4")]
+        if quantization.get("bnb_4bit_compute_dtype"):
+            details.append(f"compute dtype {quantization['bnb_4bit_compute_dtype']}")
+        if quantization.get("bnb_4bit_use_double_quant"):
+            details.append("double quantization")
+        how = f"bitsandbytes 4-bit ({', '.join(details)})"
+    elif method == "bitsandbytes" and quantization.get("load_in_8bit"):
+        how = f"bitsandbytes 8-bit (LLM.int8, outlier threshold {quantization.get('llm_int8_threshold', 6.0)})"
+    elif method == "torchao":
+        kind = quantization.get("quant_type")
+        if isinstance(kind, dict):  # {"default": {"_type": "Int8WeightOnlyConfig", ...}} as transformers writes it
+            kind = (kind.get("default") or next(iter(kind.values()), {})).get("_type", "") if kind else ""
+        how = f"torchao ({kind})" if kind else "torchao"
+    else:
+        how = str(method)
+    skipped = quantization.get("llm_int8_skip_modules") or quantization.get("modules_to_not_convert")
+    kept = f"; also kept unquantized: {', '.join(map(str, skipped))}" if skipped else ""
+    library = {"bitsandbytes": "bitsandbytes", "torchao": "torchao"}.get(method, "the quantization library")
+    return (
+        f"Quantized with {how}: the linear layers' weights are stored quantized; the norms and DCMHA's dynamic-weight "
+        f"generator (dw1, qkw, dd: raw parameters, not linear layers) stay in floating point{kept}. Loading it needs "
+        f"{library} installed."
+    )
