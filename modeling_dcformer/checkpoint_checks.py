@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .released_format import IGNORED_RE
+from .released_format import IGNORED_RE, RELEASED_KEY, SPLIT_QKV
 
 # Which config field decides whether a (native, "model."-free) tensor exists.
 PRESENCE_FIELDS = [
@@ -83,8 +83,17 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
     """A message naming, per config field, the checkpoint's tensors that the config leaves unused (`unexpected`),
     lacks (`missing`) or shapes differently (`mismatched`: (key, checkpoint shape, model shape)); None if nothing
     concerns the DCFormer body (an `lm_head` left over when loading the base model is not a mismatch)."""
-    unexpected = [key for key in map(_body_key, unexpected) if OUR_TENSORS.match(key)]
+    unexpected = [_body_key(key) for key in unexpected]
+    foreign = [key for key in unexpected if not OUR_TENSORS.match(key) and not key.startswith("lm_head.")]
+    unexpected = [key for key in unexpected if OUR_TENSORS.match(key)]
+    missing = [_body_key(key) for key in missing]
     problems = []
+    if missing and foreign:  # tensors the model does not know, in place of some it needs: name them first
+        problems.append(f"the checkpoint has tensors that are not DCFormer's ({_listing(foreign)})")
+    if {"embed_tokens.weight", "norm.weight"} <= set(missing):
+        # neither end of the model: not a checkpoint of it at all, which no config field explains
+        problems.append(f"the checkpoint lacks {len(missing)} of the model's tensors ({_listing(missing)})")
+        missing = []
     by_field = defaultdict(list)
     for key in unexpected:
         by_field[_presence_field(key, config)].append(key)
@@ -105,7 +114,7 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
         else:
             problems.append(f"the checkpoint has tensors this config does not use ({_listing(keys)})")
     by_field = defaultdict(list)
-    for key in map(_body_key, missing):
+    for key in missing:
         by_field[_presence_field(key, config)].append(key)
     for field, keys in by_field.items():
         if field in ("", "num_hidden_layers"):
@@ -147,31 +156,39 @@ def _safetensors_header(path: Path) -> dict:
     return header
 
 
-def checkpoint_files(source, *, subfolder: str = "", **hub_kwargs) -> list[Path]:
-    """The weight files of `source` (a local directory, or a Hub id whose files are already in the local cache
-    after loading); empty when they cannot be found without a download."""
-    if source is None:
-        return []
+def _resolver(source, subfolder: str = "", **hub_kwargs):
+    """name -> the local Path of that file of `source` (a local directory, or a Hub id whose files are already in the
+    local cache), or None."""
     if os.path.isdir(source):
         folder = Path(source, subfolder or "")
 
         def resolve(name):
             return folder / name if (folder / name).is_file() else None
 
-    else:
-        from transformers.utils import cached_file
+        return resolve
+    from transformers.utils import cached_file
 
-        options = {k: hub_kwargs[k] for k in ("revision", "cache_dir", "token") if hub_kwargs.get(k) is not None}
+    options = {k: hub_kwargs[k] for k in ("revision", "cache_dir", "token") if hub_kwargs.get(k) is not None}
 
-        def resolve(name):
-            try:
-                path = cached_file(
-                    str(source), name, subfolder=subfolder or "", local_files_only=True,
-                    _raise_exceptions_for_missing_entries=False, **options,
-                )
-            except Exception:  # noqa: BLE001 - not in the cache: nothing to check here
-                return None
-            return Path(path) if path else None
+    def resolve(name):
+        try:
+            path = cached_file(
+                str(source), name, subfolder=subfolder or "", local_files_only=True,
+                _raise_exceptions_for_missing_entries=False, **options,
+            )
+        except Exception:  # noqa: BLE001 - not in the cache: nothing to check here
+            return None
+        return Path(path) if path else None
+
+    return resolve
+
+
+def checkpoint_files(source, *, subfolder: str = "", **hub_kwargs) -> list[Path]:
+    """The weight files of `source` (a local directory, or a Hub id whose files are already in the local cache
+    after loading); empty when they cannot be found without a download."""
+    if source is None:
+        return []
+    resolve = _resolver(source, subfolder, **hub_kwargs)
 
     for index_name, single_name in (
         ("model.safetensors.index.json", "model.safetensors"),
@@ -185,28 +202,178 @@ def checkpoint_files(source, *, subfolder: str = "", **hub_kwargs) -> list[Path]
     return []
 
 
-def non_float_tensors(files: list[Path]) -> dict[str, str]:
-    """{key: dtype} of the tensors stored with an integer or boolean dtype (derived tensors of the released layout,
-    such as its boolean causal mask, excepted)."""
+# DCFormer's own tensor names: ours ("model." optional, lm_head) and the released layout's (released_format.py).
+DCFORMER_KEY = re.compile(
+    r"^(model\.)?(layers\.\d+\.|embed_tokens\.|norm\.)|^lm_head\.|^(" + RELEASED_KEY + r")$|" + SPLIT_QKV.pattern
+)
+# Tensors no quantizer of transformers replaces (bitsandbytes and torchao quantize nn.Linear weights, and with
+# options the embeddings and the output head): norms, biases and the dynamic-weight generator's raw parameters
+# dw1/qkw/dd, which are not nn.Linear and stay in the compute dtype. Integers there are corrupt even in a quantized
+# checkpoint.
+ALWAYS_FLOAT = re.compile(r"(norm|layernorm)\.(weight|bias|scale)$|\.bias$|dyn_w_proj\.(dw1|qkw|dd)$")
+
+
+def is_quantized_checkpoint(files: list[Path], config=None) -> bool:
+    """Whether integer tensors are meant: the checkpoint's config.json (beside its weight files) or the given config
+    carries a `quantization_config`, as transformers writes for bitsandbytes, torchao, GPTQ, AWQ, ... models."""
+    if config is not None and getattr(config, "quantization_config", None):
+        return True
+    for folder in {path.parent for path in files}:
+        try:
+            if json.loads((folder / "config.json").read_text()).get("quantization_config"):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue  # no readable config here: the config's own loading reports that
+    return False
+
+
+def integers_meant(key: str, quantized: bool) -> bool:
+    """Whether an integer or boolean tensor stored under `key` can be meant: a derived tensor of the released layout
+    (such as its boolean causal mask), a quantizer's tensor in a quantized checkpoint (the packed weights and their
+    scales, zero points and states; not the norms, biases or dynamic weights), or a tensor outside DCFormer's names,
+    which the model does not load (reported as unexpected by `describe_mismatch`)."""
+    if IGNORED_RE.search(key) or not DCFORMER_KEY.search(key):
+        return True
+    return quantized and not ALWAYS_FLOAT.search(key)
+
+
+def non_float_tensors(files: list[Path], quantized: bool = False) -> dict[str, str]:
+    """{key: dtype} of the tensors stored with an integer or boolean dtype where floats are meant (see
+    `integers_meant`)."""
     bad = {}
     for path in files:
         if path.suffix == ".safetensors":
             for key, entry in _safetensors_header(path).items():
-                if entry["dtype"] in NOT_FLOAT_SAFETENSORS and not IGNORED_RE.search(key):
+                if entry["dtype"] in NOT_FLOAT_SAFETENSORS and not integers_meant(key, quantized):
                     bad[key] = entry["dtype"]
         else:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             for key, tensor in state.items():
-                if torch.is_tensor(tensor) and not tensor.is_floating_point() and not IGNORED_RE.search(key):
+                if torch.is_tensor(tensor) and not tensor.is_floating_point() and not integers_meant(key, quantized):
                     bad[key] = str(tensor.dtype)
     return bad
 
 
-def check_dtypes(source, files: list[Path]) -> None:
-    bad = non_float_tensors(files)
+def check_dtypes(source, files: list[Path], config=None) -> None:
+    """Refuses a checkpoint storing integer or boolean tensors where floats are meant (loading would cast them to
+    floats without a word). A quantized checkpoint (`quantization_config` in its config.json, or in `config`, the
+    loaded model's) stores its quantized weights as integers: those are meant."""
+    bad = non_float_tensors(files, quantized=is_quantized_checkpoint(files, config))
     if bad:
         listing = _listing([f"{key} ({dtype})" for key, dtype in bad.items()])
         raise ValueError(
             f"checkpoint {str(source)!r} stores weights with a non-floating dtype, which loading would cast to floats "
             f"without meaning: {listing}; the file is corrupt or not a DCFormer checkpoint"
         )
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """What makes `path` unreadable as a safetensors file (empty, truncated, a header length past the end of the
+    file, a header that is not JSON or does not describe tensors, tensor data past the end); None if it reads."""
+    size = path.stat().st_size
+    if size == 0:
+        return f"{path} is empty (0 bytes): the write that made it did not finish, or it is not a weight file"
+    if size < 8:
+        return f"{path} is {size} bytes long, too short for a safetensors file: the file is truncated"
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > size - 8:
+            return (
+                f"{path} is not a readable safetensors file: its first 8 bytes announce a {length}-byte header but the "
+                f"file holds {size} bytes; it is truncated or not a safetensors file"
+            )
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return f"{path} is not a readable safetensors file: its header is not JSON; the file is corrupt"
+    if not isinstance(header, dict):
+        return f"{path} is not a readable safetensors file: its header is not a JSON object; the file is corrupt"
+    data = size - 8 - length
+    try:
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (KeyError, IndexError, TypeError):
+        return f"{path} is not a readable safetensors file: its header does not describe tensors; the file is corrupt"
+    if end > data:
+        return f"{path} is truncated: its tensors need {end} bytes of data but the file holds {data}"
+    return None
+
+
+def _index_problem(index: Path, check_shards: bool = True) -> str | None:
+    """What makes a sharded checkpoint's index unusable (not JSON, no weight_map, a shard that is not there:
+    `check_shards`, for a local folder; a Hub cache may not hold every shard yet)."""
+    try:
+        content = json.loads(index.read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        return f"{index} is not valid JSON ({err}); the index of a sharded checkpoint is corrupt"
+    if not isinstance(content, dict) or not isinstance(content.get("weight_map"), dict):
+        return f"{index} has no \"weight_map\" object naming the shard of each tensor; the index is corrupt"
+    shards = set(content["weight_map"].values()) if check_shards else ()
+    absent = sorted(str(shard) for shard in shards if not (index.parent / str(shard)).is_file())
+    if absent:
+        return f"{index} names shards that are not in {index.parent}: {_listing(absent)}"
+    if not isinstance(content.get("metadata"), dict):
+        return f"{index} has no \"metadata\" object (transformers writes one with the total size); the index is corrupt"
+    return None
+
+
+def describe_unreadable(source, *, subfolder: str = "", **hub_kwargs) -> str | None:
+    """After a load failed: one line naming the weight file or shard index of `source` that cannot be read and why
+    (see `_safetensors_problem`, `_index_problem`); None when every file reads, so the original error stands. Looks
+    only at local folders and files already in the Hub cache."""
+    if source is None:
+        return None
+    resolve = _resolver(source, subfolder, **hub_kwargs)
+    index = resolve("model.safetensors.index.json")
+    if index is not None:
+        problem = _index_problem(index, check_shards=os.path.isdir(source))
+        if problem:
+            return problem
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        paths = [path for shard in shards if (path := resolve(shard)) is not None]
+    else:
+        paths = [path for path in [resolve("model.safetensors")] if path is not None]
+    for path in paths:
+        if path.suffix == ".safetensors" and (problem := _safetensors_problem(path)):
+            return problem
+    return None
+
+
+
+def quantization_summary(config) -> str | None:
+    """One sentence saying how a model was quantized, for its model card; None for a model that is not.
+
+    Reads `config.quantization_config` (transformers' config object after a load, or the dict of a config.json):
+    bitsandbytes 8-bit or 4-bit (with its type, compute dtype and double quantization), torchao (its config's type),
+    or any other method by name. The dynamic-weight generator (dw1, qkw, dd) and the norms are never quantized:
+    transformers' quantizers replace nn.Linear layers (and, when asked, embeddings), which they are not."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return None
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    method = quantization.get("quant_method", "unknown")
+    if method == "bitsandbytes" and quantization.get("load_in_4bit"):
+        details = [quantization.get("bnb_4bit_quant_type", "fp4")]
+        if quantization.get("bnb_4bit_compute_dtype"):
+            details.append(f"compute dtype {quantization['bnb_4bit_compute_dtype']}")
+        if quantization.get("bnb_4bit_use_double_quant"):
+            details.append("double quantization")
+        how = f"bitsandbytes 4-bit ({', '.join(details)})"
+    elif method == "bitsandbytes" and quantization.get("load_in_8bit"):
+        how = f"bitsandbytes 8-bit (LLM.int8, outlier threshold {quantization.get('llm_int8_threshold', 6.0)})"
+    elif method == "torchao":
+        kind = quantization.get("quant_type")
+        if isinstance(kind, dict):  # {"default": {"_type": "Int8WeightOnlyConfig", ...}} as transformers writes it
+            kind = (kind.get("default") or next(iter(kind.values()), {})).get("_type", "") if kind else ""
+        how = f"torchao ({kind})" if kind else "torchao"
+    else:
+        how = str(method)
+    skipped = quantization.get("llm_int8_skip_modules") or quantization.get("modules_to_not_convert")
+    kept = f"; also kept unquantized: {', '.join(map(str, skipped))}" if skipped else ""
+    library = {"bitsandbytes": "bitsandbytes", "torchao": "torchao"}.get(method, "the quantization library")
+    return (
+        f"Quantized with {how}: the linear layers' weights are stored quantized; the norms and DCMHA's dynamic-weight "
+        f"generator (dw1, qkw, dd: raw parameters, not linear layers) stay in floating point{kept}. Loading it needs "
+        f"{library} installed."
+    )

@@ -5,6 +5,7 @@ as remote code next to `modeling_dcformer.py`.
 """
 
 import math
+import os
 import re
 
 from huggingface_hub.dataclasses import strict
@@ -171,8 +172,9 @@ class DCFormerConfig(PreTrainedConfig):
     dynamic_init: str = "authors"
 
     def __post_init__(self, **kwargs):
-        if kwargs.get("attn_implementation") is not None and self.dcmha_implementation != "auto":  # given both
-            check_attn_implementation(kwargs["attn_implementation"], self.dcmha_implementation)
+        if kwargs.get("attn_implementation") is not None:  # given to the config itself: checked at once
+            given = self.dcmha_implementation if self.dcmha_implementation != "auto" else None  # both given: agree
+            check_attn_implementation(kwargs["attn_implementation"], given)
         # Pythia's name for the rotary fraction is accepted on the way in.
         if "rotary_pct" in kwargs:
             kwargs.setdefault("partial_rotary_factor", kwargs.pop("rotary_pct"))
@@ -296,6 +298,22 @@ class DCFormerConfig(PreTrainedConfig):
             )
         return super().from_dict(config_dict, **kwargs)
 
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """transformers' reading of config.json, refusing a file without `model_type` (a released config in the
+        authors' key names excepted, whose type defaults to "dcpythia"): the Auto classes could not tell such a
+        folder from remote code, and a config of another model would load as DCFormer's defaults."""
+        config_dict, unused = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict and "model_type" not in config_dict and not is_released_config(config_dict):
+            name = str(pretrained_model_name_or_path)
+            subfolder = kwargs.get("subfolder") or ""
+            where = os.path.join(name, subfolder, "config.json") if os.path.isdir(name) else f"config.json of {name!r}"
+            raise ValueError(
+                f"{where} has no \"model_type\": a DCFormer config says \"model_type\": \"dcformer\"; add that line "
+                "(without it transformers' Auto classes cannot tell the model and ask to run remote code)"
+            )
+        return config_dict, unused
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
@@ -323,17 +341,28 @@ class DCFormerConfig(PreTrainedConfig):
 
     # transformers' attention choice. DCMHA has implementations of its own and none of transformers' (sdpa, flash,
     # flex): `attn_implementation` (config, `from_pretrained`, `from_config`, `set_attn_implementation`) is a second
-    # name for `dcmha_implementation`, and `_attn_implementation` reads it, so it always says what runs.
+    # name for `dcmha_implementation`, and `_attn_implementation` reads it, so it always says what runs. As in
+    # transformers, setting `config._attn_implementation` to one of transformers' own functions is not an error by
+    # itself (its common model tests do it on every config): the value is kept as a request, `_attn_implementation`
+    # reads it back, and building a model from the config refuses it (`_check_and_adjust_attn_implementation`).
     @property
     def _attn_implementation(self) -> str:
+        requested = self.__dict__.get("_attn_implementation_internal")
+        if requested is not None and requested not in (*DCMHA_IMPLEMENTATIONS, *REGISTERED_IMPLEMENTATIONS):
+            return requested  # a request no DCMHA implementation answers, refused when a model is built
         return self.dcmha_implementation
 
     @_attn_implementation.setter
     def _attn_implementation(self, value: str | dict | None):
         if isinstance(value, dict):  # transformers' per-sub-config form; DCFormer has no sub-configs
             value = value.get("")
-        if value is not None:
+        if value is None:
+            return
+        try:
             self.dcmha_implementation = check_attn_implementation(value)
+            self.__dict__["_attn_implementation_internal"] = None
+        except ValueError:
+            self.__dict__["_attn_implementation_internal"] = value
 
     # Every DCMHA implementation returns the attention probabilities ("triton" leaves such calls to "eager"), so
     # output_attentions needs no particular attn_implementation, unlike transformers' models (there only "eager").

@@ -32,8 +32,8 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
 from .cache_dcformer import DCFormerCache
-from .configuration_dcformer import DCFormerConfig
-from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch
+from .configuration_dcformer import DCFormerConfig, check_attn_implementation
+from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch, describe_unreadable
 from .dcmha import DCMHAInputs, dcmha_attention
 from .released_format import IGNORED as RELEASED_IGNORED_KEYS
 from .released_format import register_released_layout
@@ -355,8 +355,12 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         self, attn_implementation: str | dict | None, is_init_check: bool = False, allow_all_kernels: bool = False
     ) -> str:
         """transformers' check of `attn_implementation` at init: for DCFormer, a DCMHA implementation (see
-        `set_attn_implementation`); None keeps the config's."""
-        self.config._attn_implementation = attn_implementation  # checked and stored as dcmha_implementation
+        `set_attn_implementation`); None keeps the config's. transformers' own functions are refused here, when a
+        model is built, as transformers does (a config only records the request)."""
+        if attn_implementation is not None:
+            check_attn_implementation(attn_implementation if not isinstance(attn_implementation, dict) else
+                                      attn_implementation.get("", self.config.dcmha_implementation))
+        self.config._attn_implementation = attn_implementation  # stored as dcmha_implementation
         return self.config._attn_implementation
 
     def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False):
@@ -365,7 +369,7 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         backend). transformers' own attention functions ("sdpa", "flash_attention_2", "flex_attention", ...) cannot
         compose heads: a ValueError says so. The same holds for `from_pretrained(..., attn_implementation=...)` and
         `from_config(..., attn_implementation=...)`; `config._attn_implementation` reads `dcmha_implementation`."""
-        self.config._attn_implementation = attn_implementation
+        self._check_and_adjust_attn_implementation(attn_implementation)
 
     def __init__(self, config: DCFormerConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
@@ -396,8 +400,14 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         for attempt in range(SAVE_RETRIES):
             before = saved_id(source, hub_kwargs.get("subfolder"))
             try:
-                model, info = super().from_pretrained(source, *args, **kwargs)
-                check_dtypes(source, checkpoint_files(source, **hub_kwargs))
+                try:
+                    model, info = super().from_pretrained(source, *args, **kwargs)
+                except Exception:  # an unreadable weight file or shard index: one line naming it (checkpoint_checks)
+                    problem = describe_unreadable(source, **hub_kwargs)
+                    if problem is None:
+                        raise
+                    raise OSError(problem) from None
+                check_dtypes(source, checkpoint_files(source, **hub_kwargs), config=model.config)
                 one_save = before is None or getattr(model.config, "save_id", None) == before
             except Exception:
                 if before is None or saved_id(source, hub_kwargs.get("subfolder")) == before:

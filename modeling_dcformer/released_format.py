@@ -180,6 +180,38 @@ RELEASED_KEY = (
 _registered_body: tuple | None = None
 
 
+def key_wise_slots_used(key: str, tensor, heads_per_group: int) -> bool:
+    """Whether the key-wise slots (1 and 3) of a released 4-slot dynamic weight hold anything but zeros."""
+    if key.endswith("dyn_w_proj.dw1"):  # [D, G, C, K]
+        dropped = tensor[:, :, 1::2]
+    elif key.endswith("dyn_w_proj.qkw"):  # [G, C, K, 2I, M]
+        dropped = tensor[:, 1::2]
+    else:  # dd [D, G, C*M]
+        D, G = tensor.shape[:2]
+        dropped = tensor.reshape(D, G, 4, heads_per_group)[:, :, 1::2]
+    return bool(dropped.count_nonzero())
+
+
+def warn_dropped_key_slots(key: str, tensor, config) -> None:
+    """A released config.json saying `query_wise: true` over four stored slots whose key-wise ones are non-zero.
+
+    It cannot be refused: the released layout stores all four composition slots whatever `query_wise` says (the
+    authors' code allocates four and, when query-wise, reads only the query slots 0 and 2), so a model trained
+    query-wise and a config.json edited from false to true hold the same kind of files, and the file's own value is
+    the only record there is. Both load as the authors' code computes them. The key-wise weights this drops are said
+    once per checkpoint, so an edit that changes the function is not silent."""
+    from transformers.utils import logging
+
+    if not key_wise_slots_used(key, tensor, config.heads_per_group):
+        return
+    source = getattr(config, "_name_or_path", "") or "the checkpoint"
+    logging.get_logger(__name__).warning_once(
+        f"query_wise is true in the config.json of {source}, so the key-wise composition weights it stores (slots 1 "
+        "and 3 of the dynamic weights dw1, qkw, dd: non-zero) are not used; if that config.json was edited from query_wise: false, restore it: "
+        "this loads a different function"
+    )
+
+
 def register_released_layout(model_type: str, use_gated_mlp: bool) -> None:
     """Teach transformers' load-time weight conversion the released key names for a body, so that
     `from_pretrained` reads released checkpoints directly (called before each load; registered again only when the
@@ -201,7 +233,10 @@ def register_released_layout(model_type: str, use_gated_mlp: bool) -> None:
             # only for the released layout (its config carries `released_model_type`): a native checkpoint with four
             # slots under a query-wise config is a mismatch, reported by name (checkpoint_checks.py)
             if config is not None and config.query_wise and getattr(config, "released_model_type", None):
-                tensor = query_wise_slots(target_patterns[0], tensor, config.heads_per_group)
+                kept = query_wise_slots(target_patterns[0], tensor, config.heads_per_group)
+                if kept.numel() < tensor.numel():
+                    warn_dropped_key_slots(target_patterns[0], tensor, config)
+                tensor = kept
             return {target_patterns[0]: tensor}
 
     mapping = [WeightRenaming(source, target) for source, target in key_renames(use_gated_mlp)]
