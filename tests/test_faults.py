@@ -448,7 +448,7 @@ HARBOUR = ROOT / "examples" / "data" / "harbour_train.txt"
 
 @pytest.fixture(scope="module")
 def train_clm():
-    import train_clm as module  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
+    from modeling_dcformer.experiments import train_clm as module
 
     return module
 

@@ -12,7 +12,6 @@
 - the shipped accelerate / DeepSpeed config files are consistent with the model.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -30,12 +29,13 @@ EXAMPLES = ROOT / "examples"
 SCRIPT = EXAMPLES / "train_clm.py"
 TRAIN_TXT = EXAMPLES / "data" / "harbour_train.txt"
 VALID_TXT = EXAMPLES / "data" / "harbour_validation.txt"
-ACCELERATE_DIR = EXAMPLES / "accelerate"
-
-from tokenizer_utils import build_tiny_tokenizer, read_lines  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
 
 import modeling_dcformer  # noqa: F401
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.experiments import train_clm
+from modeling_dcformer.experiments.tokenizer_utils import build_tiny_tokenizer, read_lines
+
+ACCELERATE_DIR = train_clm.ACCELERATE_DIR  # the accelerate configs, installed with the package
 
 BLOCK = 32
 TOKENIZER_VOCAB = 384
@@ -146,8 +146,6 @@ def subprocess_env(tmp_path):
         HF_HOME=str(tmp_path / "hf_home"),  # datasets' cache of the local files goes here, not to ~/.cache
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
-        # the worker processes that run this file import as the tests do (setup.cfg's pytest `pythonpath`)
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLES)]),
         PYTHONUNBUFFERED="1",
         ACCELERATE_DISABLE_RICH="1",
     )
@@ -164,10 +162,7 @@ def run_cmd(cmd, env, timeout=150):
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("train_clm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return train_clm  # examples/train_clm.py runs modeling_dcformer.experiments.train_clm's command line
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -622,7 +617,7 @@ def test_accelerate_configs_and_model_attributes():
     for stage in (2, 3):
         cfg = yaml.safe_load((ACCELERATE_DIR / f"deepspeed_zero{stage}.yaml").read_text())
         assert cfg["distributed_type"] == "DEEPSPEED"
-        ds_file = ROOT / cfg["deepspeed_config"]["deepspeed_config_file"]
+        ds_file = ACCELERATE_DIR / cfg["deepspeed_config"]["deepspeed_config_file"]
         ds = json.loads(ds_file.read_text())
         assert ds["zero_optimization"]["stage"] == stage
         assert "optimizer" not in ds  # Trainer's torch optimizer: no DeepSpeed op to compile
