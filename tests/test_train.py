@@ -1,4 +1,5 @@
-"""Training DCFormer with the transformers Trainer and examples/train_clm.py (CPU, tiny models, no downloads).
+"""Training DCFormer with the transformers Trainer and dcformer-train / examples/train_clm.py (CPU, tiny models, no
+downloads).
 
 - Trainer lowers the loss of a tiny model on a small repeated corpus;
 - chunked attention (with per-chunk recompute, with and without layer checkpointing) gives the loss and gradients of
@@ -7,7 +8,7 @@
 - activation checkpointing, bf16 autocast, fp16 (what the CPU allows) and torch.compile under Trainer;
 - the script's CLI end to end on the bundled text (preset + local tokenizer, .txt and .jsonl, eval perplexity,
   auto-resume, a model that loads with from_pretrained);
-- two processes over gloo: DDP through `accelerate launch` with examples/accelerate/multi_cpu_gloo.yaml, and FSDP2
+- two processes over gloo: DDP through `accelerate launch` with the installed multi_cpu_gloo.yaml, and FSDP2
   (fully_shard on each DCFormerDecoderLayer) against single-process training;
 - the shipped accelerate / DeepSpeed config files are consistent with the model.
 """
@@ -490,8 +491,9 @@ def test_script_cli_model_dir_jsonl_and_auto_resume(tokenizer_dir, tmp_path):
 # 6. Several processes (gloo on the CPU)
 # ----------------------------------------------------------------------------------------------------------------
 def test_two_process_ddp_with_accelerate_launch(tokenizer_dir, tmp_path):
-    """`accelerate launch --config_file examples/accelerate/multi_cpu_gloo.yaml`: two CPU processes (DDP, gloo)
-    train, the loss is finite and falls, and rank 0 saves a model that loads."""
+    """`accelerate launch --config_file $(dcformer-train --print-accelerate-config multi_cpu_gloo)`: two CPU
+    processes (DDP, gloo) train, the loss is finite and falls, DDP does not warn about unused parameters, and rank 0
+    saves a model that loads."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "ddp"
@@ -501,10 +503,12 @@ def test_two_process_ddp_with_accelerate_launch(tokenizer_dir, tmp_path):
         str(SCRIPT),
         *script_args(out, tokenizer_dir, "--train_file", str(TRAIN_TXT), "--validation_file", str(VALID_TXT),
                      "--do_train", "--do_eval", "--max_steps", "12", "--per_device_train_batch_size", "4",
-                     "--ddp_find_unused_parameters", "false", "--save_strategy", "no"),
+                     "--save_strategy", "no"),
     ]  # fmt: skip
     output = run_cmd(cmd, subprocess_env(tmp_path))
     assert "process rank 0 of 2" in output and "process rank 1 of 2" in output, output[-3000:]
+    # the script tells DDP that every parameter is used (it is): no search for unused ones, and no warning
+    assert "find_unused_parameters=True" not in output and "unused parameters" not in output
     assert "distributed distributed" in output
     state = json.loads((out / "trainer_state.json").read_text())
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]

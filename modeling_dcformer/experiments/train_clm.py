@@ -32,11 +32,16 @@ a missing model, data too short for one block, an unwritable output folder, a fu
 Checkpoints that cannot be resumed from (interrupted, truncated, non-finite weights) are set aside with a warning.
 """
 
+import codecs
+import errno
 import json
 import logging
 import math
 import os
+import re
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -44,6 +49,7 @@ from pathlib import Path
 import datasets
 import torch
 from datasets import load_dataset
+from datasets.exceptions import DatasetGenerationError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -55,7 +61,7 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 from transformers.utils import logging as hf_logging
 
 from .. import DCFormerConfig  # importing the package registers "dcformer"/"dcpythia" with the Auto classes
@@ -64,11 +70,28 @@ from ..configuration import config_file
 logger = hf_logging.get_logger("dcformer.train_clm")
 
 ACCELERATE_DIR = Path(__file__).resolve().parent / "accelerate"  # the accelerate / DeepSpeed configs (package data)
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TrainingError(ValueError):
     """Bad input or a run that went wrong, said in one line (the script prints it as `error: ...`, exit code 2)."""
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line (its lines joined; the type when it has no message)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines) if lines else type(err).__name__
+
+
+def check_model_source(flag: str, name: str) -> None:
+    """`--model_name_or_path` / `--config_name` / `--tokenizer_name` that is neither an existing path nor a
+    possible Hub id (`owner/name`, `name`): one line naming it, instead of huggingface_hub's repo-id traceback."""
+    if os.path.exists(name):
+        return
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if looks_local or not HUB_ID.fullmatch(name):
+        raise TrainingError(f"--{flag} {name}: no such directory or file (and not a Hub id of the form owner/name)")
 
 
 @dataclass
@@ -163,13 +186,13 @@ class DataTrainingArguments:
         if self.streaming:
             datasets.utils.logging.set_verbosity_warning()
         if self.dataset_name is None and self.train_file is None and self.validation_file is None:
-            raise ValueError("Need --dataset_name, or --train_file / --validation_file.")
+            raise TrainingError("Need --dataset_name, or --train_file / --validation_file.")
         for name in ("train_file", "validation_file"):
             path = getattr(self, name)
             if path is not None and path.rsplit(".", 1)[-1] not in ("txt", "json", "jsonl"):
-                raise ValueError(f"--{name} must be a .txt, .json or .jsonl file, got {path!r}")
+                raise TrainingError(f"--{name} must be a .txt, .json or .jsonl file, got {path!r}")
         if not 0 < self.validation_split_percentage < 100:
-            raise ValueError("--validation_split_percentage must be between 1 and 99")
+            raise TrainingError("--validation_split_percentage must be between 1 and 99")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,19 +208,30 @@ def refuse_non_dcformer(config, source: str):
             f" Convert the Pythia/GPT-NeoX checkpoint first: dcformer-convert-pythia {source} "
             "./dcpythia-converted, then pass --model_name_or_path ./dcpythia-converted."
         )
-    raise ValueError(f"{source!r} is a {model_type!r} model, not DCFormer.{hint}")
+    raise TrainingError(f"{source!r} is a {model_type!r} model, not DCFormer.{hint}")
 
 
 def load_config(model_args: ModelArguments):
     hub = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token)
     name = model_args.config_name or model_args.model_name_or_path
-    preset = config_file(name) if model_args.config_name else None
+    flag = "config_name" if model_args.config_name else "model_name_or_path"
+    try:
+        preset = config_file(name) if model_args.config_name else None
+    except FileNotFoundError as err:
+        raise TrainingError(f"--config_name: {err}") from None
     if preset is not None:
-        with open(preset, encoding="utf-8") as f:
-            config = DCFormerConfig.from_dict(json.load(f))  # also accepts the authors' released keys
+        try:
+            with open(preset, encoding="utf-8") as f:
+                config = DCFormerConfig.from_dict(json.load(f))  # also accepts the authors' released keys
+        except (OSError, ValueError, TypeError) as err:
+            raise TrainingError(f"--{flag} {preset}: not a readable DCFormer config ({one_line(err)})") from None
         logger.info(f"config from preset {preset}")
     else:
-        config = AutoConfig.from_pretrained(name, **hub)
+        check_model_source(flag, name)
+        try:
+            config = AutoConfig.from_pretrained(name, **hub)
+        except (OSError, ValueError) as err:  # no config.json, not on the Hub, offline, not JSON, ...
+            raise TrainingError(f"--{flag} {name}: cannot load its config ({one_line(err)})") from None
     refuse_non_dcformer(config, name)
     if model_args.config_overrides:
         logger.info(f"overriding config: {model_args.config_overrides}")
@@ -227,9 +261,9 @@ def apply_config_overrides(config, overrides: str):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ValueError(f"--config_overrides: {item!r} is not key=value")
+            raise TrainingError(f"--config_overrides: {item!r} is not key=value")
         if not hasattr(config, key):
-            raise ValueError(f"--config_overrides: {type(config).__name__} has no attribute {key!r}")
+            raise TrainingError(f"--config_overrides: {type(config).__name__} has no attribute {key!r}")
         values[key] = parse_override_value(value)
     config_dict = config.to_dict()
     config_dict.update(values)
@@ -237,7 +271,13 @@ def apply_config_overrides(config, overrides: str):
         config_dict.pop("layer_types", None)
     if {"num_attention_heads", "num_head_groups"} & set(values) and "dynamic_hidden_size" not in values:
         config_dict.pop("dynamic_hidden_size", None)  # re-derived: 4 * heads per group
-    return type(config).from_dict(config_dict)
+    try:
+        config = type(config).from_dict(config_dict)
+        with torch.device("meta"):  # the shapes the values give, built without memory: refused here, not later
+            AutoModelForCausalLM.from_config(config)
+    except Exception as err:  # the config's checks: ValueError, TypeError, huggingface_hub's StrictDataclassError
+        raise TrainingError(f"--config_overrides {overrides!r}: {one_line(err)}") from None
+    return config
 
 
 def load_tokenizer(model_args: ModelArguments, training_texts, resume_from: str | None = None):
@@ -258,25 +298,33 @@ def load_tokenizer(model_args: ModelArguments, training_texts, resume_from: str 
         return build_tiny_tokenizer(training_texts(), model_args.new_tokenizer_vocab_size)
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if name is None:
-        raise ValueError(
+        raise TrainingError(
             "Training from --config_name needs a tokenizer: --tokenizer_name (a directory or Hub id, e.g. "
             "EleutherAI/pythia-160m for the DCPythia presets) or --new_tokenizer_vocab_size N."
         )
-    return AutoTokenizer.from_pretrained(
-        name, cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token
-    )
+    flag = "tokenizer_name" if model_args.tokenizer_name else "model_name_or_path"
+    check_model_source(flag, name)
+    try:
+        return AutoTokenizer.from_pretrained(
+            name, cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token
+        )
+    except (OSError, ValueError) as err:
+        raise TrainingError(f"--{flag} {name}: cannot load a tokenizer from it ({one_line(err)})") from None
 
 
 def build_model(model_args: ModelArguments, config, tokenizer):
     if model_args.model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_args.model_name_or_path,
-            config=config,
-            dtype=DTYPES[model_args.dtype],
-            cache_dir=model_args.cache_dir,
-            revision=model_args.model_revision,
-            token=model_args.token,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_args.model_name_or_path,
+                config=config,
+                dtype=DTYPES[model_args.dtype],
+                cache_dir=model_args.cache_dir,
+                revision=model_args.model_revision,
+                token=model_args.token,
+            )
+        except OSError as err:  # no weights, a truncated or unreadable file
+            raise TrainingError(f"--model_name_or_path {model_args.model_name_or_path}: {one_line(err)}") from None
     else:
         # From scratch: the vocabulary must hold the tokenizer, and special ids follow it.
         if len(tokenizer) > config.vocab_size:
@@ -325,7 +373,12 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
     kwargs = dict(data_files=data_files, cache_dir=model_args.cache_dir, token=model_args.token)
     if builder == "text":
         kwargs["keep_linebreaks"] = data_args.keep_linebreaks
-    raw = load_dataset(builder, streaming=data_args.streaming, **kwargs)
+    try:
+        raw = load_dataset(builder, streaming=data_args.streaming, **kwargs)
+    except (UnicodeDecodeError, ValueError, DatasetGenerationError) as err:  # not text / not JSON lines
+        names = " / ".join(f"--{split}_file {path}" for split, path in data_files.items())
+        cause = err.__cause__ or err.__context__ or err
+        raise TrainingError(f"{names}: not readable as {builder} ({one_line(cause)})") from None
     check_null_texts(raw, data_args, data_files)
     if "validation" not in raw and "train" in raw:
         try:
@@ -351,6 +404,16 @@ def check_data_files(data_args: DataTrainingArguments) -> None:
             raise TrainingError(f"--{flag} {path}: no such file")
         if os.path.getsize(path) == 0 or (os.path.getsize(path) < 1 << 20 and not Path(path).read_bytes().strip()):
             raise TrainingError(f"--{flag} {path} is empty: give a file with text (a line an example for .txt)")
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at 1 MiB is fine
+            binary = b"\x00" in head
+        except UnicodeDecodeError:
+            binary = True
+        if binary:
+            raise TrainingError(f"--{flag} {path} is not UTF-8 text (binary data?): give a text, JSON or JSON lines "
+                                "file")
 
 
 def check_null_texts(raw, data_args: DataTrainingArguments, data_files: dict) -> None:
@@ -374,6 +437,8 @@ def check_null_texts(raw, data_args: DataTrainingArguments, data_files: dict) ->
 
 def pick_block_size(data_args: DataTrainingArguments, tokenizer, config) -> int:
     max_positions = config.max_position_embeddings
+    if data_args.block_size is not None and data_args.block_size < 1:
+        raise TrainingError(f"--block_size {data_args.block_size}: give a positive number of tokens a block")
     if data_args.block_size is None:
         block_size = min(tokenizer.model_max_length, max_positions, 1024)
         logger.info(f"block_size not given: using {block_size}")
@@ -389,7 +454,7 @@ def text_column(raw, data_args: DataTrainingArguments) -> str:
     column_names = list(raw["train" if "train" in raw else "validation"].features)
     column = data_args.text_column_name or ("text" if "text" in column_names else column_names[0])
     if column not in column_names:
-        raise ValueError(f"no column {column!r} in the data (columns: {column_names})")
+        raise TrainingError(f"no column {column!r} in the data (columns: {column_names})")
     return column
 
 
@@ -398,7 +463,7 @@ def tokenize_and_pack(raw, data_args, training_args, tokenizer, block_size):
     column = text_column(raw, data_args)
     eos = tokenizer.eos_token_id
     if data_args.append_eos and eos is None:
-        raise ValueError("--append_eos needs a tokenizer with an eos token")
+        raise TrainingError("--append_eos needs a tokenizer with an eos token")
     tok_logger = hf_logging.get_logger("transformers.tokenization_utils_base")
 
     def tokenize(examples, indices):
@@ -454,25 +519,55 @@ def limit(dataset, n, streaming):
 # ----------------------------------------------------------------------------------------------------------------
 # Checkpoints and divergence
 # ----------------------------------------------------------------------------------------------------------------
-def is_complete_checkpoint(path) -> bool:
-    """Trainer writes a checkpoint's `trainer_state.json` last (after the model, optimizer, scheduler and RNG
-    states): a checkpoint without a readable one was interrupted while being written."""
+def checkpoint_problem(path) -> tuple[str, str] | None:
+    """Why the Trainer checkpoint `path` cannot be resumed from, as (tag, reason), or None when it can:
+    * "incomplete": no readable `trainer_state.json` (Trainer writes it last: the write was interrupted);
+    * "corrupt": a weights file that safetensors cannot read (truncated, garbage), or an optimizer / scheduler /
+      RNG state that is not a whole torch zip archive (its central directory, at the end, is missing);
+    * "nonfinite": weights that hold NaN or inf (a run that diverged before this guard existed).
+    Reads every weight once (safetensors, memory-mapped); FSDP's sharded folders are checked for their state only."""
+    import zipfile
+
+    from safetensors import SafetensorError, safe_open
+
     try:
         json.loads(Path(path, "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return True
+        return "incomplete", "no readable trainer_state.json: its write was interrupted"
+    for state in sorted(p for pattern in ("*.pt", "*.pth", "*.bin") for p in Path(path).glob(pattern)):
+        try:
+            with zipfile.ZipFile(state):
+                pass
+        except (OSError, zipfile.BadZipFile) as err:
+            return "corrupt", f"{state.name} is truncated or unreadable ({one_line(err)})"
+    bad, total = [], 0
+    for weights in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                for key in f.keys():
+                    tensor = f.get_tensor(key)
+                    total += 1
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        bad.append(key)
+        except (OSError, SafetensorError, RuntimeError, ValueError) as err:
+            return "corrupt", f"{weights.name} is truncated or unreadable ({one_line(err)})"
+    if bad:
+        return "nonfinite", f"{len(bad)} of {total} weight tensors hold NaN or inf (first: {bad[0]})"
+    return None
 
 
 def newest_complete_checkpoint(output_dir, set_aside: bool = False) -> str | None:
-    """The newest checkpoint of `output_dir` whose write finished, warning about each newer, incomplete one; with
-    `set_aside` (the main process) those are renamed `incomplete-checkpoint-N`, so that Trainer neither picks them
-    nor keeps them instead of complete ones when it rotates checkpoints (--save_total_limit)."""
+    """The newest checkpoint of `output_dir` that can be resumed from (`checkpoint_problem`), warning about each
+    newer one that cannot; with `set_aside` (the main process) those are renamed `TAG-checkpoint-N` (TAG:
+    incomplete, corrupt, nonfinite), so that neither this run nor a later one picks them, and Trainer does not keep
+    them instead of good ones when it rotates checkpoints (--save_total_limit)."""
     for checkpoint in reversed(sort_checkpoints(output_dir)):  # newest first (by step)
-        if is_complete_checkpoint(checkpoint):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
             return checkpoint
-        aside = Path(output_dir) / f"incomplete-{Path(checkpoint).name}"
-        note = f"{checkpoint} is incomplete (no readable trainer_state.json: its write was interrupted)"
+        tag, reason = problem
+        aside = Path(output_dir) / f"{tag}-{Path(checkpoint).name}"
+        note = f"{checkpoint} is {'incomplete' if tag == 'incomplete' else 'not resumable'} ({reason})"
         if set_aside and not aside.exists():
             os.replace(checkpoint, aside)
             note += f"; renamed {aside.name}"
@@ -490,17 +585,20 @@ def resume_checkpoint(training_args, data_args) -> str | None:
     if isinstance(requested, str) and requested.lower() not in ("true", "last"):
         if not os.path.isdir(requested):
             raise TrainingError(f"--resume_from_checkpoint {requested}: no such checkpoint directory")
-        if not is_complete_checkpoint(requested):
+        problem = checkpoint_problem(requested)
+        if problem is not None:
+            tag, reason = problem
+            what = "is incomplete" if tag == "incomplete" else "cannot be resumed from"
             raise TrainingError(
-                f"--resume_from_checkpoint {requested} is incomplete (no readable trainer_state.json: its write was "
-                "interrupted): pass an earlier checkpoint, or 'last' for the newest complete one"
+                f"--resume_from_checkpoint {requested} {what} ({reason}): pass an earlier checkpoint, or 'last' "
+                "for the newest usable one"
             )
         return requested
     if requested is not None or (os.path.isdir(training_args.output_dir) and not data_args.overwrite_output_dir):
         found = newest_complete_checkpoint(training_args.output_dir, set_aside) if os.path.isdir(
             training_args.output_dir) else None
         if found is None and requested is not None:
-            raise TrainingError(f"--resume_from_checkpoint {requested}: no complete checkpoint in "
+            raise TrainingError(f"--resume_from_checkpoint {requested}: no usable checkpoint in "
                                 f"{training_args.output_dir}")
         if found is not None and requested is None:
             logger.warning(f"checkpoint found, resuming from {found} (--overwrite_output_dir: start afresh)")
@@ -536,14 +634,66 @@ class StopOnNonFinite(TrainerCallback):
             )
 
 
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        """Before a checkpoint is written (Trainer saves right after this callback, when `should_save`): its
+        weights must be finite. A step can make them NaN or inf from finite gradients (an infinite learning rate,
+        an overflow in the update); such a checkpoint would be resumed from, and fail, on every later run."""
+        if not control.should_save or model is None:
+            return
+        bad = non_finite_weights(model)
+        flag = torch.tensor(float(bool(bad)))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = flag.to(args.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # every process stops together
+        if flag.item():
+            first = f" (first: {bad[0]})" if bad else " (in another process's shard)"
+            raise TrainingError(
+                f"training diverged at step {state.global_step}: after the update {len(bad)} weight tensor(s) hold "
+                f"NaN or inf{first}; checkpoint-{state.global_step} was not written (earlier checkpoints are kept). "
+                f"Lower --learning_rate (now {args.learning_rate:g}) and resume from a checkpoint or start afresh"
+            )
+
+
+def non_finite_weights(model) -> list[str]:
+    """The names of the parameters of `model` (this process's shards under FSDP) that hold NaN or inf."""
+    bad = []
+    for name, p in model.named_parameters():
+        data = p.to_local() if hasattr(p, "to_local") else p
+        if data.numel() and not bool(torch.isfinite(data.detach()).all()):
+            bad.append(name)
+    return bad
+
+
 def check_finite(model, what: str) -> None:
     """A model with NaN or inf weights is never saved as the result of the run."""
-    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    bad = non_finite_weights(model)
     if bad:
         raise TrainingError(
             f"not saving {what}: {len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}); training diverged: "
             "lower --learning_rate and train again (checkpoints written before, if any, are kept)"
         )
+
+
+class CheckpointTrainer(Trainer):
+    """The stock Trainer; a checkpoint whose write fails (a full disk, a folder turned read-only) ends the run with
+    one line naming it, and the half-written `checkpoint-N` is removed, so that no later run takes it for one."""
+
+    def _save_checkpoint(self, model, trial):
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        existed = folder.exists()
+        try:
+            super()._save_checkpoint(model, trial)
+        except OSError as err:
+            removed = ""
+            if self.args.should_save and not existed and folder.exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                removed = "; the partial checkpoint was removed"
+            reason = os.strerror(err.errno) if err.errno else one_line(err)
+            hint = " (the disk is full)" if err.errno == errno.ENOSPC else ""
+            raise TrainingError(
+                f"could not write checkpoint {folder}: {reason}{hint}{removed}; earlier checkpoints are kept: free "
+                "space (or lower --save_total_limit) and run again to resume"
+            ) from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -607,6 +757,33 @@ def process_count_warning(env, world_size: int, launcher_argv: list[str]) -> str
 # ----------------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------------
+def check_training_args(training_args) -> None:
+    """TrainingArguments values that Trainer would accept and act on wrongly, and what the model needs by default."""
+    if training_args.max_steps == 0 or training_args.max_steps < -1:
+        raise TrainingError(
+            f"--max_steps {training_args.max_steps}: give a positive number of optimizer steps (or leave it out and "
+            "train --num_train_epochs)"
+        )
+    if training_args.ddp_find_unused_parameters is None:
+        # Every parameter of a DCFormer takes part in every forward pass (tests/test_train_faults.py checks it with
+        # a config that uses every weight), so DDP need not search the graph for unused ones (the search costs a
+        # traversal a step and makes DDP warn that it found none). --ddp_find_unused_parameters true restores it.
+        training_args.ddp_find_unused_parameters = False
+
+
+def check_output_dir(output_dir: str) -> None:
+    """The output folder can be created and written into (not read-only, not a file, not on a read-only mount):
+    one line naming it, before any work, instead of a traceback at the first save."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=output_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        reason = os.strerror(err.errno) if err.errno else one_line(err)
+        raise TrainingError(f"--output_dir {output_dir} is not writable ({reason}): choose another folder") from None
+
+
 def parse_args(argv=None):
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     argv = sys.argv[1:] if argv is None else argv
@@ -619,7 +796,8 @@ def parse_args(argv=None):
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
     if model_args.model_name_or_path is None and model_args.config_name is None:
-        raise ValueError("Need --model_name_or_path (a model to fine-tune) or --config_name (a preset to train).")
+        raise TrainingError("Need --model_name_or_path (a model to fine-tune) or --config_name (a preset to train).")
+    check_training_args(training_args)
 
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
@@ -649,7 +827,7 @@ def main(argv=None):
             "--fp16 on CPU: accelerate has no fp16 autocast on the CPU and trains in fp32; use --bf16 there."
         )
     if training_args.deepspeed and on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(
+        raise TrainingError(
             "DeepSpeed with several CPU processes does not work through accelerate (it sees world size 1 in each "
             "process and DeepSpeed's batch-size check fails): run DeepSpeed on GPUs, or a single process on the CPU."
         )
@@ -657,6 +835,8 @@ def main(argv=None):
 
     # A previous run in output_dir is resumed unless asked otherwise (from its newest complete checkpoint).
     resume_from = resume_checkpoint(training_args, data_args)
+    if training_args.process_index == 0 and (training_args.do_train or training_args.should_save):
+        check_output_dir(training_args.output_dir)
 
     set_seed(training_args.seed)
 
@@ -677,21 +857,21 @@ def main(argv=None):
     train_dataset = eval_dataset = None
     if training_args.do_train:
         if "train" not in packed:
-            raise ValueError("--do_train needs a training split (--train_file or --dataset_name)")
+            raise TrainingError("--do_train needs a training split (--train_file or --dataset_name)")
         train_dataset = limit(packed["train"], data_args.max_train_samples, data_args.streaming)
         if not data_args.streaming and len(train_dataset) == 0:
-            raise ValueError(f"the training data gives no full block of {block_size} tokens: lower --block_size")
+            raise TrainingError(f"the training data gives no full block of {block_size} tokens: lower --block_size")
     if training_args.do_eval:
         if "validation" not in packed:
-            raise ValueError("--do_eval needs a validation split")
+            raise TrainingError("--do_eval needs a validation split")
         eval_dataset = limit(packed["validation"], data_args.max_eval_samples, data_args.streaming)
         if not data_args.streaming and len(eval_dataset) == 0:
-            raise ValueError(
+            raise TrainingError(
                 f"the validation data gives no full block of {block_size} tokens: lower --block_size, give a larger "
                 "--validation_file or raise --validation_split_percentage"
             )
 
-    trainer = Trainer(
+    trainer = CheckpointTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
@@ -715,7 +895,13 @@ def main(argv=None):
         if trainer.is_fsdp_enabled:  # sharded checkpoints while training, one loadable model at the end
             trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
         check_finite(trainer.model, f"the final model to {training_args.output_dir}")
-        trainer.save_model()  # model (safetensors, config) and tokenizer
+        try:
+            trainer.save_model()  # model (safetensors, config) and tokenizer
+        except OSError as err:
+            raise TrainingError(
+                f"could not save the final model to {training_args.output_dir}: {one_line(err)} (the checkpoints "
+                "written before are kept)"
+            ) from None
         metrics = train_result.metrics
         if not data_args.streaming:
             metrics["train_samples"] = len(train_dataset)
