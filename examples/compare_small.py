@@ -9,11 +9,11 @@ and `TrainingArguments` (cosine schedule, warmup, batch, steps, evaluation every
 same too unless `--dc-lr` or `--lr-sweep` gives each model its own).
 
 Tasks (`--task`):
-* `synthetic` (default): a mixture of two synthetic in-context tasks generated on the fly (`modeling_dcformer.experiments.synthetic_tasks`),
+* `synthetic` (default): a mixture of two synthetic in-context tasks generated on the fly (`experiments.synthetic_tasks`),
   multi-query associative recall (MQAR) and two-hop fact composition, with the loss on the answer tokens only.
   Validation: a fixed held-out generated set per task; accuracy is the exact match of each answer token (greedy
   argmax given the true prefix), also per sequence (all answers right).
-* `lm`: language modelling on real text (`modeling_dcformer.experiments.lm_corpus`): by default the English documentation of Python as
+* `lm`: language modelling on real text (`experiments.lm_corpus`): by default the English documentation of Python as
   Debian ships it (`apt-get install python3.11-doc`), or any text files given with `--corpus`; split into train
   and validation by document; byte-level or trained BPE tokens; blocks of `--block-size` tokens. Reports the
   validation loss, perplexity and bits per byte over training, and training tokens per second.

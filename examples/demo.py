@@ -17,7 +17,8 @@ With its defaults nothing is downloaded; every step is the real-size path run on
 4. Evaluation: lm-eval 0.4.13 through evals.harness on offline copies of LAMBADA, PIQA and HellaSwag
    (evals/fixtures; `--limit` rows a task).   Real size: --tasks lambada_openai,piqa,hellaswag --limit 0
 5. Saving: `save_pretrained` (+ the tokenizer) into OUTPUT_DIR/dcpythia-<size>-finetuned: the directory carries
-   its own modeling code (`trust_remote_code=True`) and a model card with the lm-eval results.   --push-to-hub REPO pushes the model once the checks of step 6 have passed.
+   its own modeling code (`trust_remote_code=True`) and a model card with the lm-eval results.
+   --push-to-hub REPO pushes the model once the checks of step 6 have passed.
 6. Reloading: natively (AutoModelForCausalLM.from_pretrained, logits equal to the in-memory model's) and, with
    remote code, in an isolated `python -I` process started from an empty directory, in which the installed
    `modeling_dcformer` package is blocked from importing (the saved code alone must do).

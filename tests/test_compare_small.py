@@ -1,4 +1,5 @@
-"""modeling_dcformer.experiments (synthetic_tasks, ablation, runner, report) and examples/compare_small.py: the generated answers are right and unique
+"""modeling_dcformer.experiments (synthetic_tasks, ablation, runner, report) and examples/compare_small.py:
+the generated answers are right and unique
 (checked by brute-force solvers written here, independent of the generators), deterministic, masked except the
 answers; the two models' parameter counts match; the whole comparison runs end to end."""
 

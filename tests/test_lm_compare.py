@@ -1,4 +1,5 @@
-"""modeling_dcformer.experiments.lm_corpus and `compare_small.py --task lm`: the corpus split is by document and deterministic, missing
+"""modeling_dcformer.experiments.lm_corpus and `compare_small.py --task lm`:
+the corpus split is by document and deterministic, missing
 or unusable corpora are clear errors, tokenisation is deterministic (bytes checked against Python's own UTF-8, the
 BPE trained on the training documents only), the training blocks cover the stream; the ablation variants compute
 what they claim (checked against tests/oracle.py); 10-step smoke runs of the lm mode, the lr sweep and the

@@ -124,7 +124,8 @@ def evaluate(model, tokenizer, tasks: list[str], out: Path, model_name: str, lim
     print(f"lm-eval tasks {', '.join(tasks)}, limit {limit or 'none'} (rows a task), batch size {batch_size}",
           flush=True)
     results = lm_eval_evaluate(
-        model, tokenizer, tasks, batch_size=batch_size, limit=limit, bootstrap_iters=bootstrap_iters, output_path=out / "eval_results.json", model_name=model_name,
+        model, tokenizer, tasks, batch_size=batch_size, limit=limit, bootstrap_iters=bootstrap_iters,
+        output_path=out / "eval_results.json", model_name=model_name,
     )
     per_task = {}
     for task in tasks:
