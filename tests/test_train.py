@@ -385,12 +385,15 @@ def script_args(output_dir, tokenizer_dir, *extra, model=("--config_name", "dcfo
 
 
 def test_script_units():
+    from modeling_dcformer.configuration import config_file  # the one preset resolver, behind --config_name
+
     script = load_script()
-    assert script.resolve_preset("dcformer-tiny") == ROOT / "configuration" / "dcformer-tiny.json"
-    assert script.resolve_preset(str(ROOT / "configuration" / "dcformer-tiny.json")).is_file()
-    assert script.resolve_preset("EleutherAI/pythia-160m") is None  # a Hub id / directory: AutoConfig's job
-    with pytest.raises(FileNotFoundError, match="presets in"):
-        script.resolve_preset("no-such-preset.json")
+    assert config_file("dcformer-tiny") == ROOT / "configuration" / "dcformer-tiny.json"
+    assert config_file("dcpythia-6.9b.json") == ROOT / "configuration" / "dcpythia-6.9b.json"
+    assert config_file(str(ROOT / "configuration" / "dcformer-tiny.json")).is_file()
+    assert config_file("EleutherAI/pythia-160m") is None  # a Hub id / directory: AutoConfig's job
+    with pytest.raises(FileNotFoundError, match="the presets are: dcformer-2.8b, dcformer-tiny"):
+        config_file("no-such-preset.json")
 
     config = DCFormerConfig.from_json_file(ROOT / "configuration" / "dcformer-tiny.json")
     new = script.apply_config_overrides(config, "window_size=None,attention_chunk_size=32,attention_recompute=false")
