@@ -3,13 +3,20 @@ PY ?= python3
 # The CPU build of torch where this machine has it on disk (fast); otherwise whatever fits the package range.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test check-wheel bench
+.PHONY: install install-torch install-demo demo test check-wheel bench
 
-install:
+install-torch:
 	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q "torch>=2.5,<3"
-	$(PY) -m pip install -q -e ".[test,eval]"
 
-demo: install
+# Everything the tests use: the test tools (triton for the kernel tests), lm-eval, and the training extra.
+install: install-torch
+	$(PY) -m pip install -q -e ".[test,eval,train]"
+
+# Only what the demo runs (the `demo` extra: lm-eval and datasets), not the test tools or triton.
+install-demo: install-torch
+	$(PY) -m pip install -q -e ".[demo]"
+
+demo: install-demo
 	$(PY) examples/demo.py
 
 # One pytest worker per core (pytest-xdist), a test file's tests on one worker (module fixtures built once).

@@ -8,29 +8,30 @@
 With its defaults nothing is downloaded; every step is the real-size path run on a tiny model:
 
 1. Pythia: a tiny random GPTNeoXForCausalLM (Pythia's layout: parallel residual, rotary on 1/4 of each head,
-   a vocabulary padded beyond the tokenizer) with a byte-level BPE tokenizer trained here on the bundled corpus
-   (examples/tokenizer_utils.py), saved as a checkpoint directory.   Real size: --pythia EleutherAI/pythia-160m
+   a vocabulary padded beyond the tokenizer) with a byte-level BPE tokenizer trained here on the bundled corpus,
+   saved as a checkpoint directory.   Real size: --pythia EleutherAI/pythia-160m
 2. Conversion: dcformer-convert-pythia (its command line, `main(argv)`) with --verify: the DCPythia's
    fp32 logits must equal the Pythia's (max |difference| <= 1e-4) or nothing is written.
-3. Fine-tuning: examples/train_clm.py (its command line, `main(argv)`: Trainer) on examples/data/, with the
+3. Fine-tuning: dcformer-train (its command line, `main(argv)`: Trainer) on examples/data/, with the
    validation loss measured before and after.   Real size: --dataset wikitext --dataset-config wikitext-2-raw-v1
 4. Evaluation: lm-eval 0.4.13 through evals.harness on offline copies of LAMBADA, PIQA and HellaSwag
    (evals/fixtures; `--limit` rows a task).   Real size: --tasks lambada_openai,piqa,hellaswag --limit 0
-5. Saving: `save_pretrained` (+ the tokenizer) into OUTPUT_DIR/dcpythia-<size>-finetuned; when the saved config
-   has an `auto_map`, the directory carries its own modeling code (`trust_remote_code=True`) and a model card
-   with the lm-eval results.   --push-to-hub REPO pushes the model once the checks of step 6 have passed.
+5. Saving: `save_pretrained` (+ the tokenizer) into OUTPUT_DIR/dcpythia-<size>-finetuned: the directory carries
+   its own modeling code (`trust_remote_code=True`) and a model card with the lm-eval results.
+   --push-to-hub REPO pushes the model once the checks of step 6 have passed.
 6. Reloading: natively (AutoModelForCausalLM.from_pretrained, logits equal to the in-memory model's) and, with
    remote code, in an isolated `python -I` process started from an empty directory, in which the installed
    `modeling_dcformer` package is blocked from importing (the saved code alone must do).
 7. Generation: greedy (cached == uncached) and sampled, with the KV cache.
 8. A summary table (also OUTPUT_DIR/summary.json, written last: a directory without it is unfinished), and the
    DCFormer/GPT-NeoX ratios of `benchmarks/bench_model.py --quick` (a subprocess: it forks).
+
+Steps 1-7 are functions of `modeling_dcformer.experiments.pipeline`; this script chains them and reports.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -38,7 +39,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,11 +49,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap stderr in this process: no fork after torch
 
 import torch
-from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers.utils import logging as hf_logging
 
-import modeling_dcformer  # noqa: F401  (registers "dcformer" with the Auto classes)
+from modeling_dcformer.experiments.pipeline import (
+    build_tiny_pythia,
+    check_inputs,
+    convert,
+    evaluate,
+    finetune,
+    generate,
+    logits_of,
+    push_to_hub,
+    reload_native,
+    reload_remote,
+    save,
+    source_name,
+)
+from modeling_dcformer.experiments.tokenizer_utils import read_lines
 
 logger = hf_logging.get_logger("dcformer.demo")
 
@@ -64,29 +76,6 @@ BENCH = ROOT / "benchmarks" / "bench_model.py"
 LOCAL_TASKS = "lambada_openai_local,piqa_local,hellaswag_local"
 MARKER = ".dcformer-demo"  # marks a directory this script created (and may clear on the next run)
 SUMMARY = "summary.json"
-# The tiny Pythia: Pythia-70m's layout at toy size (hidden 64, 2 layers, 4 heads, rotary on 1/4 of each head,
-# parallel residual, untied head, a vocabulary of 512 rows that the tokenizer need not fill).
-TINY_PYTHIA = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=256,
-    max_position_embeddings=256,
-    rotary_pct=0.25,
-    use_parallel_residual=True,
-    tie_word_embeddings=False,
-    bos_token_id=0,
-    eos_token_id=0,
-)
-
-
-def source_name(src: str) -> str:
-    """dcpythia-160m for EleutherAI/pythia-160m, dcpythia-tiny for the tiny one, dc-<name> for other GPT-NeoX."""
-    name = Path(src.rstrip("/")).name
-    return "dc" + name if name.startswith("pythia") else f"dc-{name}"
-
-
 def banner(step: int, title: str) -> None:
     print(f"\n== {step}/8 {title} ==", flush=True)
 
@@ -112,52 +101,7 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 1. The tiny Pythia
-# ----------------------------------------------------------------------------------------------------------------
-def build_tiny_pythia(dst: Path, tokenizer_texts: list[str], seed: int) -> dict:
-    """A random GPT-NeoX causal LM of Pythia's layout and a byte-level BPE tokenizer, saved to `dst`."""
-    from modeling_dcformer.conversion.common import atomic_output_dir
-    from tokenizer_utils import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer(tokenizer_texts, TINY_PYTHIA["vocab_size"])
-    torch.manual_seed(seed)
-    model = GPTNeoXForCausalLM(GPTNeoXConfig(**TINY_PYTHIA)).eval()
-    with atomic_output_dir(dst) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"tiny Pythia: GPTNeoXForCausalLM, {n_params:,} parameters (hidden {TINY_PYTHIA['hidden_size']}, "
-        f"{TINY_PYTHIA['num_hidden_layers']} layers, {TINY_PYTHIA['num_attention_heads']} heads, vocabulary "
-        f"{TINY_PYTHIA['vocab_size']}); tokenizer: byte-level BPE, {len(tokenizer)} tokens; saved to {dst}"
-    )
-    return {"source": "tiny random GPT-NeoX built here", "dir": str(dst), "parameters": n_params,
-            "tokenizer_size": len(tokenizer)}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 2. Conversion
-# ----------------------------------------------------------------------------------------------------------------
-def convert(src: str, dst: Path, revision: str | None) -> dict:
-    """dcformer-convert-pythia's command line, with --verify; the measured difference is read back from
-    the config it wrote (`conversion.max_logit_difference`)."""
-    from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
-
-    argv = [src, str(dst), "--verify", "--overwrite"]
-    if revision:
-        argv += ["--revision", revision]
-    print(f"$ dcformer-convert-pythia {shlex.join(argv)}", flush=True)
-    code = p2d.main(argv)
-    if code != 0:
-        raise SystemExit(f"error: the conversion failed (exit code {code}); see the message above")
-    conversion = json.loads((dst / "config.json").read_text())["conversion"]
-    diff = conversion["max_logit_difference"]
-    return {"dir": str(dst), "verified": diff <= p2d.DEFAULT_TOLERANCE, "max_logit_difference": diff,
-            "tolerance": p2d.DEFAULT_TOLERANCE}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 3. Fine-tuning
+# 3. Fine-tuning: dcformer-train's command line
 # ----------------------------------------------------------------------------------------------------------------
 def finetune_argv(args, model_dir: Path, out_dir: Path, tiny: bool) -> list[str]:
     argv = ["--model_name_or_path", str(model_dir), "--output_dir", str(out_dir), "--overwrite_output_dir"]
@@ -192,211 +136,6 @@ def finetune_argv(args, model_dir: Path, out_dir: Path, tiny: bool) -> list[str]
     if args.device == "cpu":
         argv.append("--use_cpu")
     return argv + shlex.split(args.train_args)
-
-
-def finetune(args, model_dir: Path, out_dir: Path, tiny: bool):
-    """examples/train_clm.py's command line (`main(argv)`, Trainer); returns (trainer, the step's summary)."""
-    import train_clm
-
-    argv = finetune_argv(args, model_dir, out_dir, tiny)
-    print(f"$ python examples/train_clm.py {shlex.join(argv)}", flush=True)
-    trainer = train_clm.main(argv)
-    history = trainer.state.log_history
-    train_losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    evals = [h for h in history if "eval_loss" in h]
-    end = next(h for h in history if "train_runtime" in h)
-    # train_runtime includes the evaluation at step 0 (eval_on_start): take it out of the time per step.
-    in_loop_eval = sum(h.get("eval_runtime", 0.0) for h in evals[:-1])
-    steps = trainer.state.global_step
-    summary = {
-        "dir": str(out_dir),
-        "steps": steps,
-        "seconds_per_step": (end["train_runtime"] - in_loop_eval) / max(steps, 1),
-        "train_loss_first": train_losses[0][1] if train_losses else None,
-        "train_loss_last": train_losses[-1][1] if train_losses else None,
-        "logging_steps": trainer.args.logging_steps,
-        "eval_loss_before": evals[0]["eval_loss"] if len(evals) > 1 else None,
-        "eval_loss_after": evals[-1]["eval_loss"] if evals else None,
-    }
-    if summary["eval_loss_after"] is not None:
-        summary["perplexity_after"] = math.exp(min(summary["eval_loss_after"], 700.0))
-    return trainer, summary
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 4. Evaluation
-# ----------------------------------------------------------------------------------------------------------------
-def evaluate(model, tokenizer, args, out: Path, model_name: str) -> dict:
-    """lm-eval through evals.harness on the in-memory model; accuracies (and LAMBADA's perplexity) per task."""
-    from modeling_dcformer.evals.harness import evaluate as lm_eval_evaluate
-
-    tasks = [t for t in args.tasks.split(",") if t]
-    limit = args.limit or None
-    print(f"lm-eval tasks {', '.join(tasks)}, limit {limit or 'none'} (rows a task), batch size {args.eval_batch_size}",
-          flush=True)
-    results = lm_eval_evaluate(
-        model, tokenizer, tasks, batch_size=args.eval_batch_size, limit=limit,
-        bootstrap_iters=args.bootstrap_iters, output_path=out / "eval_results.json", model_name=model_name,
-    )
-    per_task = {}
-    for task in tasks:
-        metrics = results["results"].get(task, {})
-        per_task[task] = {
-            name.split(",")[0]: value for name, value in metrics.items()
-            if name.split(",")[0] in ("acc", "acc_norm", "perplexity") and isinstance(value, (int, float))
-        }
-        per_task[task]["samples"] = results.get("n-samples", {}).get(task, {}).get("effective")
-    return {"tasks": per_task, "limit": limit, "results_file": str(out / "eval_results.json")}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 5-6. Saving and reloading
-# ----------------------------------------------------------------------------------------------------------------
-def check_inputs(tokenizer, vocab_size: int) -> torch.Tensor:
-    text = "The tide turns before dawn, and the boats leave the harbour one after another."
-    ids = tokenizer(text, return_tensors="pt")["input_ids"]
-    return ids.clamp(max=vocab_size - 1)
-
-
-def card_options_supported(model) -> bool:
-    """Whether this version of modeling_dcformer's save_pretrained writes a model card with options."""
-    return "model_card" in inspect.signature(model.save_pretrained).parameters
-
-
-def save(model, tokenizer, dst: Path, eval_file: Path | None, repo_id: str | None) -> dict:
-    """save_pretrained (model and tokenizer) into a directory that appears only when complete. Where
-    save_pretrained writes a model card, it gets the directory's (or the Hub repo's) name and the lm-eval results."""
-    from modeling_dcformer.conversion.common import atomic_output_dir
-
-    kwargs = {}
-    if card_options_supported(model):
-        card = {"model_name": repo_id.split("/")[-1] if repo_id else dst.name, "repo_id": repo_id}
-        if eval_file is not None and eval_file.is_file():
-            card["eval_results"] = str(eval_file)
-        kwargs["model_card"] = card
-    with atomic_output_dir(dst, overwrite=True) as tmp:
-        model.save_pretrained(tmp, **kwargs)
-        tokenizer.save_pretrained(tmp)
-    config = json.loads((dst / "config.json").read_text())
-    auto_map = config.get("auto_map")
-    files = sorted(p.name for p in dst.iterdir())
-    py_files = [f for f in files if f.endswith(".py")]
-    print(f"saved to {dst}: {', '.join(files)}")
-    if auto_map:
-        print(f"auto_map {auto_map}: the directory carries its own code (trust_remote_code=True)")
-    else:
-        logger.warning("NOTE: the saved config.json has no auto_map: this version of modeling_dcformer's "
-                       "save_pretrained does not write remote code yet, so the directory loads only where "
-                       "modeling_dcformer is installed (`import modeling_dcformer` first); the remote-code reload "
-                       "check is skipped")
-    return {"dir": str(dst), "files": files, "auto_map": auto_map, "remote_code_files": py_files,
-            "model_card": "README.md" in files}
-
-
-@torch.no_grad()
-def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids.to(model.device), use_cache=False).logits.float().cpu()
-
-
-def reload_native(model_dir: Path, reference: torch.Tensor, ids: torch.Tensor, device: str) -> dict:
-    reloaded = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
-    diff = float((logits_of(reloaded, ids) - reference).abs().max())
-    ok = diff <= 1e-5
-    print(f"native reload ({type(reloaded).__name__}): max |logit difference| vs the in-memory model = {diff:.2e}: "
-          f"{'OK' if ok else 'FAILED'}")
-    return {"ok": ok, "max_abs_diff": diff, "class": type(reloaded).__name__}
-
-
-# Runs in `python -I` from an empty directory: loads the saved model with trust_remote_code=True while the
-# installed modeling_dcformer package is blocked, and writes its logits and a small report.
-REMOTE_CHILD = r"""
-import importlib.abc, importlib.util, json, os, sys
-report = {"modeling_dcformer_importable": importlib.util.find_spec("modeling_dcformer") is not None}
-
-class BlockInstalledPackage(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "modeling_dcformer" or name.startswith("modeling_dcformer."):
-            raise ImportError(f"{name} is blocked: the saved remote code must not need the installed package")
-        return None
-
-sys.meta_path.insert(0, BlockInstalledPackage())
-import torch
-from transformers import AutoModelForCausalLM
-model_dir, ids_file, out_file = sys.argv[1:4]
-torch.set_num_threads(1)
-model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=torch.float32).eval()
-report["class"] = f"{type(model).__module__}.{type(model).__qualname__}"
-report["installed_package_loaded"] = any(m.split(".")[0] == "modeling_dcformer" for m in sys.modules)
-ids = torch.tensor(json.load(open(ids_file)))
-with torch.no_grad():
-    torch.save(model(ids, use_cache=False).logits.float(), out_file)
-json.dump(report, open(out_file + ".json", "w"))
-"""
-
-
-def reload_remote(model_dir: Path, reference: torch.Tensor, ids: torch.Tensor, tolerance: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="dcformer-remote-") as tmp:
-        tmp = Path(tmp)
-        (tmp / "ids.json").write_text(json.dumps(ids.tolist()))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp / "modules"), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-I", "-c", REMOTE_CHILD, str(model_dir.resolve()), "ids.json", "logits.pt"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            print("remote-code reload: FAILED (the isolated process could not load or run the saved model)")
-            return {"status": "failed", "ok": False, "error": proc.stderr.strip().splitlines()[-1:]}
-        report = json.loads((tmp / "logits.pt.json").read_text())
-        logits = torch.load(tmp / "logits.pt")
-    diff = float((logits - reference).abs().max())
-    ok = diff <= tolerance and report["class"].startswith("transformers_modules.") and not report[
-        "installed_package_loaded"]
-    print(f"remote-code reload in an isolated process ({time.perf_counter() - t0:.0f}s, class {report['class']}): "
-          f"max |logit difference| = {diff:.2e}: {'OK' if ok else 'FAILED'}")
-    if report["modeling_dcformer_importable"]:
-        print("  note: modeling_dcformer is importable even under `python -I` from an empty directory (the editable "
-              "install puts it on every interpreter's path); the child blocked it, so only the saved code ran")
-    return {"status": "ok" if ok else "failed", "ok": ok, "max_abs_diff": diff, **report}
-
-
-def push_to_hub(model, tokenizer, repo_id: str, eval_file: Path | None) -> str:
-    """`push_to_hub` of the model (weights, config, and what save_pretrained writes beside them: remote code and
-    model card, with the lm-eval results where supported) and of the tokenizer, to the Hub repository `repo_id`."""
-    message = "DCPythia fine-tuned by examples/demo.py"
-    kwargs = {"commit_message": message}
-    if card_options_supported(model) and eval_file is not None and eval_file.is_file():
-        kwargs["eval_results"] = str(eval_file)
-    model.push_to_hub(repo_id, **kwargs)
-    tokenizer.push_to_hub(repo_id, commit_message=f"{message}: tokenizer")
-    url = f"https://huggingface.co/{repo_id}"
-    print(f"pushed the model and its tokenizer to {url}")
-    return url
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 7. Generation
-# ----------------------------------------------------------------------------------------------------------------
-def generate(model, tokenizer, args) -> dict:
-    inputs = tokenizer(args.prompt, return_tensors="pt").to(model.device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    common = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad)
-    runs = [("greedy, cache", dict(do_sample=False)), ("greedy, no cache", dict(do_sample=False, use_cache=False)),
-            ("sampled, cache", dict(do_sample=True, temperature=0.8, top_k=40, num_return_sequences=args.samples))]
-    outputs = {}
-    with torch.inference_mode():
-        for name, kwargs in tqdm(runs, desc="Generating", unit="run"):
-            torch.manual_seed(args.seed)
-            outputs[name] = model.generate(**inputs, **common, **kwargs)
-    decode = lambda row: tokenizer.decode(row, skip_special_tokens=True)  # noqa: E731
-    greedy, sampled = decode(outputs["greedy, cache"][0]), [decode(row) for row in outputs["sampled, cache"]]
-    same = torch.equal(outputs["greedy, cache"], outputs["greedy, no cache"])
-    print(f"prompt:   {args.prompt!r}\ngreedy:   {greedy!r}")
-    for i, text in enumerate(sampled):
-        print(f"sample {i}: {text!r}")
-    print(f"greedy with the DCFormer cache == greedy without cache: {same}")
-    new_tokens = outputs["greedy, cache"].shape[1] - inputs["input_ids"].shape[1]
-    return {"prompt": args.prompt, "greedy": greedy, "sampled": sampled, "new_tokens": int(new_tokens),
-            "cache_matches_no_cache": same}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -460,9 +199,7 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     n = s["reload"]["native"]
     rows.append(("reload, native", f"{'OK' if n['ok'] else 'FAILED'} (max |logit diff| {n['max_abs_diff']:.1e})"))
     r = s["reload"]["remote_code"]
-    if r["status"] == "skipped":
-        text = f"skipped: {r['reason']}"
-    elif r["status"] == "failed" and "max_abs_diff" not in r:
+    if r["status"] == "failed" and "max_abs_diff" not in r:
         text = f"FAILED: {' '.join(r.get('error', []))}"
     else:
         text = f"{'OK' if r['ok'] else 'FAILED'} (max |logit diff| {r['max_abs_diff']:.1e}, isolated process"
@@ -508,7 +245,7 @@ def parse_args(argv=None):
     p.add_argument("--pythia-revision", default=None, help="Hub revision of --pythia (e.g. step100000)")
     p.add_argument("--output-dir", default=str(ROOT / "demo_out"), help="where everything is written (default "
                    "./demo_out; a previous demo's directory is replaced)")
-    data = p.add_argument_group("fine-tuning data and settings (examples/train_clm.py)")
+    data = p.add_argument_group("fine-tuning data and settings (dcformer-train)")
     data.add_argument("--dataset", default=None, help="a Hub dataset instead of the files, e.g. wikitext")
     data.add_argument("--dataset-config", default=None, help="its configuration, e.g. wikitext-2-raw-v1")
     data.add_argument("--train-file", default=str(TRAIN_TXT), help="training text: .txt (a line an example), .json, "
@@ -575,8 +312,6 @@ def run(argv=None, t_start: float | None = None) -> dict:
     banner(1, "Pythia" + (f" ({args.pythia})" if args.pythia else ": a tiny GPT-NeoX and tokenizer, built here"))
     t0 = time.perf_counter()
     if tiny:
-        from tokenizer_utils import read_lines
-
         texts_file = args.train_file if args.train_file and args.train_file.endswith(".txt") else str(TRAIN_TXT)
         summary["source"] = build_tiny_pythia(out / "pythia-tiny", read_lines([texts_file]), args.seed)
         src = str(out / "pythia-tiny")
@@ -591,9 +326,9 @@ def run(argv=None, t_start: float | None = None) -> dict:
     summary["conversion"] = convert(src, converted_dir, args.pythia_revision)
     stage("convert", t0)
 
-    banner(3, "Fine-tune with Trainer (examples/train_clm.py)")
+    banner(3, "Fine-tune with Trainer (dcformer-train)")
     t0 = time.perf_counter()
-    trainer, summary["training"] = finetune(args, converted_dir, out / "finetune", tiny)
+    trainer, summary["training"] = finetune(finetune_argv(args, converted_dir, out / "finetune", tiny))
     hf_logging.set_verbosity_warning()
     # Mixed precision (--bf16 / --fp16) leaves accelerate's autocast wrapper on the model's forward: take it off,
     # so that what is evaluated, checked and generated from is the model as saved (fp32 weights, fp32 compute).
@@ -608,7 +343,8 @@ def run(argv=None, t_start: float | None = None) -> dict:
     banner(4, "Evaluate with lm-eval (modeling_dcformer.evals.harness)")
     t0 = time.perf_counter()
     model_dir = out / f"{source_name(src)}-finetuned"
-    summary["evaluation"] = evaluate(model, tokenizer, args, out, model_dir.name)
+    summary["evaluation"] = evaluate(model, tokenizer, [t for t in args.tasks.split(",") if t], out, model_dir.name,
+                                     args.limit, args.eval_batch_size, args.bootstrap_iters)
     for task, metrics in summary["evaluation"]["tasks"].items():
         print(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
     stage("evaluate", t0)
@@ -624,15 +360,10 @@ def run(argv=None, t_start: float | None = None) -> dict:
     ids = check_inputs(tokenizer, model.config.vocab_size)
     reference = logits_of(model, ids)
     summary["reload"] = {"native": reload_native(model_dir, reference, ids, args.device)}
-    if summary["save"]["auto_map"]:
-        tolerance = 1e-5 if args.device == "cpu" else 1e-3  # the child runs on the CPU
-        summary["reload"]["remote_code"] = reload_remote(model_dir, reference, ids, tolerance)
-    else:
-        reason = "no auto_map in the saved config.json (save_pretrained does not write remote code yet)"
-        print(f"remote-code reload: skipped ({reason})")
-        summary["reload"]["remote_code"] = {"status": "skipped", "ok": None, "reason": reason}
+    tolerance = 1e-5 if args.device == "cpu" else 1e-3  # the child runs on the CPU
+    summary["reload"]["remote_code"] = reload_remote(model_dir, reference, ids, tolerance)
     stage("reload", t0)
-    checks_ok = summary["reload"]["native"]["ok"] and summary["reload"]["remote_code"]["ok"] is not False
+    checks_ok = summary["reload"]["native"]["ok"] and summary["reload"]["remote_code"]["ok"]
     if args.push_to_hub:
         if checks_ok:
             t0 = time.perf_counter()
@@ -643,7 +374,7 @@ def run(argv=None, t_start: float | None = None) -> dict:
 
     banner(7, "Generate (greedy and sampled, with the KV cache)")
     t0 = time.perf_counter()
-    summary["generation"] = generate(model, tokenizer, args)
+    summary["generation"] = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.samples, args.seed)
     stage("generate", t0)
 
     if not args.no_bench:

@@ -383,16 +383,12 @@ class DCFormerConfig(PreTrainedConfig):
         `modeling_dcformer.configuration` once installed), e.g. `DCFormerConfig.from_preset("dcpythia-6.9b")`.
         Keyword arguments override the preset's values (`from_preset("dcformer-tiny", window_size=None)`)."""
         import json
-        from importlib.resources import files
 
-        try:
-            presets = files("modeling_dcformer.configuration")
+        try:  # the one preset resolver (also behind dcformer-train --config_name and compare_small.py --shape)
+            from modeling_dcformer.configuration import preset_file
         except ModuleNotFoundError as err:  # remote code on the Hub: the presets come with the installed package
             raise ValueError("presets need the installed modeling_dcformer package (pip install modeling-dcformer)") from err
-        names = sorted(p.name[: -len(".json")] for p in presets.iterdir() if p.name.endswith(".json"))
-        if name not in names:
-            raise ValueError(f"unknown preset {name!r}; the presets are: {', '.join(names)}")
-        return cls.from_dict({**json.loads((presets / f"{name}.json").read_text()), **kwargs})
+        return cls.from_dict({**json.loads(preset_file(name).read_text()), **kwargs})
 
 
 class DCPythiaConfig(DCFormerConfig):

@@ -228,3 +228,17 @@ def install_fake_hub(monkeypatch, tmp_path):
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     monkeypatch.setattr(HfApi, "create_branch", lambda self, *a, **k: None)
     return calls
+
+
+def load_example(name: str):
+    """The script examples/NAME.py as a module (by its path: the examples are scripts, not an importable package),
+    for tests that call its functions in-process instead of running it as a subprocess."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -1,10 +1,10 @@
-"""examples/synthetic_tasks.py and examples/compare_small.py: the generated answers are right and unique
+"""modeling_dcformer.experiments (synthetic_tasks, ablation, runner, report) and examples/compare_small.py:
+the generated answers are right and unique
 (checked by brute-force solvers written here, independent of the generators), deterministic, masked except the
 answers; the two models' parameter counts match; the whole comparison runs end to end."""
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +13,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-import compare_small  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
-from synthetic_tasks import (
+from helpers import load_example
+from modeling_dcformer import DCFormerForCausalLM
+from modeling_dcformer.experiments.ablation import GPTNeoXForCausalLM, matched_configs
+from modeling_dcformer.experiments.report import reach_step
+from modeling_dcformer.experiments.runner import make_compute_metrics
+from modeling_dcformer.experiments.synthetic_tasks import (
     IGNORE_INDEX,
     PadCollator,
     SyntheticDataset,
@@ -25,6 +29,7 @@ from synthetic_tasks import (
 )
 
 torch.set_num_threads(1)
+compare_small = load_example("compare_small")  # the script's command line and main, in-process
 N_CHECK = 1500
 
 
@@ -196,10 +201,10 @@ def test_collator_pads_right_and_masks(vocab):
 def test_parameter_counts_match_for_default_shape(capsys):
     args = compare_small.parse_args([])
     vocab = TaskVocab(args.task_config)
-    neox, dc, info = compare_small.matched_configs(args.shape_dict, vocab.model_vocab_size, 72)
+    neox, dc, info = matched_configs(args.shape_dict, vocab.model_vocab_size, 72)
     assert abs(info["relative_difference"]) <= 0.02
-    assert info["transformer_params"] == sum(p.numel() for p in compare_small.GPTNeoXForCausalLM(neox).parameters())
-    assert info["dcformer_params"] == sum(p.numel() for p in compare_small.DCFormerForCausalLM(dc).parameters())
+    assert info["transformer_params"] == sum(p.numel() for p in GPTNeoXForCausalLM(neox).parameters())
+    assert info["dcformer_params"] == sum(p.numel() for p in DCFormerForCausalLM(dc).parameters())
     # same shape apart from the Transformer's MLP, widened only to pay for DCMHA's parameters
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         assert getattr(neox, key) == getattr(dc, key)
@@ -212,10 +217,10 @@ def test_parameter_counts_match_for_default_shape(capsys):
     assert dc.intermediate_size == 512 <= neox.intermediate_size
     # identical shapes are 4.9% apart at hidden 128 / 4 heads: refused loudly
     with pytest.raises(ValueError, match="differ by"):
-        compare_small.matched_configs(args.shape_dict, vocab.model_vocab_size, 72, param_match="none")
+        matched_configs(args.shape_dict, vocab.model_vocab_size, 72, param_match="none")
     # a Pythia-70m-shaped pair is within 2% with identical shapes
     shape = compare_small.parse_args(["--shape", "dcpythia-pythia-70m"]).shape_dict
-    neox, dc, info = compare_small.matched_configs(shape, 50304, 2048, param_match="none")
+    neox, dc, info = matched_configs(shape, 50304, 2048, param_match="none")
     assert neox.intermediate_size == dc.intermediate_size == 2048 and abs(info["relative_difference"]) < 0.02
 
 
@@ -224,7 +229,7 @@ def test_metrics_on_known_predictions(vocab):
     batch = PadCollator()([data[i] for i in range(3)])
     ids, labels = batch["input_ids"].numpy(), batch["labels"].numpy()
     perfect = np.concatenate([ids[:, 1:], ids[:, :1]], axis=1)  # logits at i predict token i + 1
-    metric = compare_small.make_compute_metrics("mqar", vocab, vocab.config)
+    metric = make_compute_metrics("mqar", vocab, vocab.config)
 
     class Pred:
         predictions, label_ids, inputs = perfect, labels, ids
@@ -232,8 +237,8 @@ def test_metrics_on_known_predictions(vocab):
     assert metric(Pred)["accuracy"] == 1.0 and metric(Pred)["seq_accuracy"] == 1.0
     Pred.predictions = np.zeros_like(perfect)
     assert metric(Pred)["accuracy"] == 0.0
-    assert compare_small.reach_step([(0, 4.0), (10, 2.0), (20, 1.0)], 3.0) == 5.0
-    assert compare_small.reach_step([(0, 4.0), (10, 2.0)], 1.0) is None
+    assert reach_step([(0, 4.0), (10, 2.0), (20, 1.0)], 3.0) == 5.0
+    assert reach_step([(0, 4.0), (10, 2.0)], 1.0) is None
 
 
 @pytest.mark.parametrize(
@@ -330,13 +335,13 @@ def test_dc_overrides_use_qk_norm(capsys):
     keyword argument 'use_qk_norm'"."""
     args = compare_small.parse_args(["--dc-overrides", "use_qk_norm=true,window_size=16,window_type=LGLL"])
     vocab = TaskVocab(args.task_config)
-    neox, dc, info = compare_small.matched_configs(
+    neox, dc, info = matched_configs(
         args.shape_dict, vocab.model_vocab_size, 72, dc_overrides=args.dc_overrides
     )
     assert dc.use_qk_norm and dc.window_size == 16
     assert dc.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     assert abs(info["relative_difference"]) <= 0.02
-    attention = compare_small.DCFormerForCausalLM(dc).model.layers[0].self_attn
+    attention = DCFormerForCausalLM(dc).model.layers[0].self_attn
     assert attention.q_norm.weight.shape == (dc.head_dim,)
 
 
@@ -346,14 +351,14 @@ def test_recipe_flags_reach_the_dcformer_config_only():
     )
     expected = {"dynamic_init": "normal", "use_qk_norm": True, "window_size": 16, "window_type": "LGLL"}
     assert args.dc_overrides == expected
-    neox, dc, _ = compare_small.matched_configs(args.shape_dict, 264, 128, dc_overrides=args.dc_overrides)
+    neox, dc, _ = matched_configs(args.shape_dict, 264, 128, dc_overrides=args.dc_overrides)
     assert dc.use_qk_norm and dc.dynamic_init == "normal"
     assert dc.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     assert not hasattr(neox, "window_size") or neox.window_size is None
     # without the flags: the config's defaults (the authors' init), no qk-norm, every layer global
     args = compare_small.parse_args(["--task", "lm"])
     assert args.dc_overrides == {} and args.tasks == ["lm"] and args.eval_batch_size == args.batch_size
-    _, dc, _ = compare_small.matched_configs(args.shape_dict, 264, 128, dc_overrides=args.dc_overrides)
+    _, dc, _ = matched_configs(args.shape_dict, 264, 128, dc_overrides=args.dc_overrides)
     assert dc.dynamic_init == "authors" and not dc.use_qk_norm and set(dc.layer_types) == {"full_attention"}
     # the same value through both routes is accepted
     args = compare_small.parse_args(["--qk-norm", "--dc-overrides", "use_qk_norm=true"])

@@ -1,30 +1,30 @@
 """examples/demo.py, the main job, end to end on its tiny default with the smallest settings (offline, CPU):
-tiny Pythia -> verified conversion -> Trainer fine-tuning -> lm-eval on the offline tasks -> save -> native (and,
-once save_pretrained writes remote code, isolated trust_remote_code) reload -> generation -> summary; the
-`--pythia DIR` path; the real-size flags' mapping onto train_clm.py; the isolated remote-code reload itself on a
-directory carrying the package's code; and the output directory's safety rules."""
+tiny Pythia -> verified conversion -> Trainer fine-tuning -> lm-eval on the offline tasks -> save -> native and
+isolated trust_remote_code reload -> generation -> summary; the `--pythia DIR` path; the real-size flags' mapping
+onto dcformer-train; and the output directory's safety rules. The steps are modeling_dcformer.experiments.pipeline's."""
 
 import json
 import math
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"  # on sys.path through setup.cfg's pytest `pythonpath`
+EXAMPLES = ROOT / "examples"
 for _key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # before datasets / lm_eval load
     os.environ.setdefault(_key, "1")
 
 pytest.importorskip("lm_eval")
-import demo  # noqa: E402
-from tokenizer_utils import read_lines  # noqa: E402
+from helpers import load_example  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
+from modeling_dcformer import DCFormerForCausalLM  # noqa: E402
+from modeling_dcformer.experiments import pipeline  # noqa: E402
+from modeling_dcformer.experiments.tokenizer_utils import read_lines  # noqa: E402
+
+demo = load_example("demo")  # the script, in-process
 
 TASKS = ["lambada_openai_local", "piqa_local", "hellaswag_local"]
 REPO = "someone/dcpythia-demo-test"
@@ -74,17 +74,15 @@ def test_demo_end_to_end(tmp_path, capsys, monkeypatch):
     model_dir = Path(summary["save"]["dir"])
     assert model_dir == out / "dcpythia-tiny-finetuned" and (out / "dcpythia-tiny" / "config.json").is_file()
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(summary["save"]["files"])
-    if summary["save"]["model_card"]:  # named after the Hub repo, with the lm-eval results
-        card = (model_dir / "README.md").read_text()
-        assert "partial" not in card and REPO in card and "piqa_local" in card
+    assert summary["save"]["model_card"]  # named after the Hub repo, with the lm-eval results
+    card = (model_dir / "README.md").read_text()
+    assert "partial" not in card and REPO in card and "piqa_local" in card
     native = summary["reload"]["native"]
     assert native["ok"] and native["max_abs_diff"] <= 1e-5
     remote = summary["reload"]["remote_code"]
-    if summary["save"]["auto_map"]:  # save_pretrained writes remote code: the isolated reload must pass
-        assert remote["status"] == "ok" and remote["ok"] and remote["class"].startswith("transformers_modules.")
-        assert not remote["installed_package_loaded"]
-    else:
-        assert remote["status"] == "skipped" and "auto_map" in remote["reason"]
+    assert summary["save"]["auto_map"]  # save_pretrained writes remote code: the isolated reload must pass
+    assert remote["status"] == "ok" and remote["ok"] and remote["class"].startswith("transformers_modules.")
+    assert not remote["installed_package_loaded"]
     assert pushed == [("model", REPO), ("tokenizer", REPO)] and summary["pushed_to"].endswith(REPO)
 
     generation = summary["generation"]
@@ -112,7 +110,7 @@ def test_demo_with_a_given_pythia_directory(tmp_path, capsys):
     `--train-args=--bf16` (mixed precision: accelerate wraps the model's forward in autocast) the model checked
     against its reloaded copy is the unwrapped fp32 one, so the reload checks still pass exactly."""
     src = tmp_path / "neox"
-    demo.build_tiny_pythia(src, read_lines([demo.TRAIN_TXT]), seed=1)
+    pipeline.build_tiny_pythia(src, read_lines([demo.TRAIN_TXT]), seed=1)
     out = tmp_path / "demo"
     summary = demo.run(["--pythia", str(src), "--output-dir", str(out), "--train-steps", "2", "--limit", "2",
                         "--tasks", "piqa_local", "--no-bench", "--threads", "1", "--max-new-tokens", "4",
@@ -148,36 +146,6 @@ def test_real_size_flags_reach_train_clm():
     pairs = dict(zip(argv, argv[1:]))
     assert pairs["--train_file"] == str(demo.TRAIN_TXT) and pairs["--validation_file"] == str(demo.VALID_TXT)
     assert "--use_cpu" in argv and pairs["--block_size"] == "64" and float(pairs["--learning_rate"]) == 3e-3
-
-
-def test_isolated_remote_code_reload(tmp_path):
-    """Step 6b on a directory given the package's own files as remote code by hand, for a modeling_dcformer whose
-    save_pretrained does not write them (where it does, test_demo_end_to_end runs this step on what it wrote): the
-    child process loads them from transformers_modules with the installed package blocked, and its logits equal
-    the in-process model's."""
-    torch.manual_seed(0)
-    config = DCFormerConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, window_size=8,
-    )
-    model = DCFormerForCausalLM(config).eval()
-    model_dir = tmp_path / "remote"
-    model.save_pretrained(model_dir)
-    if "auto_map" in json.loads((model_dir / "config.json").read_text()):
-        pytest.skip("save_pretrained writes remote code: test_demo_end_to_end reloads it in the isolated process")
-    package = ROOT / "modeling_dcformer"
-    for name in ("configuration_dcformer.py", "modeling_dcformer.py", "released_format.py"):
-        shutil.copy(package / name, model_dir / name)
-    saved = json.loads((model_dir / "config.json").read_text())
-    saved["auto_map"] = {"AutoConfig": "configuration_dcformer.DCFormerConfig",
-                         "AutoModelForCausalLM": "modeling_dcformer.DCFormerForCausalLM"}
-    (model_dir / "config.json").write_text(json.dumps(saved))
-
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
-    reference = demo.logits_of(model, ids)
-    result = demo.reload_remote(model_dir, reference, ids, tolerance=1e-5)
-    assert result["ok"] and result["status"] == "ok" and result["max_abs_diff"] <= 1e-5
-    assert result["class"].startswith("transformers_modules.") and not result["installed_package_loaded"]
 
 
 def test_output_dir_rules(tmp_path):

@@ -452,7 +452,7 @@ HARBOUR = ROOT / "examples" / "data" / "harbour_train.txt"
 
 @pytest.fixture(scope="module")
 def train_clm():
-    import train_clm as module  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
+    from modeling_dcformer.experiments import train_clm as module
 
     return module
 
@@ -590,7 +590,9 @@ def test_eval_limit_zero_or_negative_is_one_line(limit, tmp_path, capsys):
 
 
 def test_demo_negative_limit_is_refused(capsys):
-    import demo  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
+    from helpers import load_example
+
+    demo = load_example("demo")
 
     assert demo.parse_args(["--limit", "0"]).limit == 0  # the demo's word for every row
     with pytest.raises(SystemExit) as exit_info:

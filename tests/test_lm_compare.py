@@ -1,4 +1,5 @@
-"""examples/lm_corpus.py and `compare_small.py --task lm`: the corpus split is by document and deterministic, missing
+"""modeling_dcformer.experiments.lm_corpus and `compare_small.py --task lm`:
+the corpus split is by document and deterministic, missing
 or unusable corpora are clear errors, tokenisation is deterministic (bytes checked against Python's own UTF-8, the
 BPE trained on the training documents only), the training blocks cover the stream; the ablation variants compute
 what they claim (checked against tests/oracle.py); 10-step smoke runs of the lm mode, the lr sweep and the
@@ -13,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-import compare_small  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
-import lm_corpus
-from helpers import as_double, build_model, make_config, zero_dyn
+from helpers import as_double, build_model, load_example, make_config, zero_dyn
+from modeling_dcformer import DCFormerForCausalLM
+from modeling_dcformer.experiments import ablation, lm_corpus
 from oracle import oracle_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "examples" / "data" / "harbour_train.txt"
 RARE_WORD = "zyzzyvaquokkaxylophone"
+compare_small = load_example("compare_small")  # the script's main, in-process
 
 
 def write_corpus(folder: Path, n_docs: int = 12, lines_per_doc: int = 20) -> list[Path]:
@@ -159,7 +161,7 @@ def test_pre_and_post_ablations_zero_the_other_slots_and_keep_them_zero():
     for kind, off in (("pre", (2, 3)), ("post", (0, 1))):  # spec slot order: pre-q, pre-k, post-q, post-k
         model = build_model(config)
         reference = as_double(model.state_dict())
-        compare_small.freeze_slots(model, compare_small.FROZEN_SLOTS[kind])
+        ablation.freeze_slots(model, ablation.FROZEN_SLOTS[kind])
         for key, value in reference.items():
             if key.endswith("dyn_w_proj.qkw"):
                 value[:, list(off)] = 0
@@ -186,14 +188,14 @@ def test_pre_and_post_ablations_zero_the_other_slots_and_keep_them_zero():
 
 
 def test_static_ablation_starts_as_plain_attention_and_ignores_the_input():
-    config = compare_small.variant_config("static", make_config(num_hidden_layers=2))
+    config = ablation.variant_config("static", make_config(num_hidden_layers=2))
     assert config.dynamic_rank == config.heads_per_group  # full rank: any static M x M composition
     torch.manual_seed(0)
-    model, n_params = compare_small.build_model("static", config)
+    model, n_params = ablation.build_model("static", config)
     model.eval()
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     state = as_double(model.state_dict())
-    oracle_state = zero_dyn(as_double(compare_small.DCFormerForCausalLM(config).state_dict()))
+    oracle_state = zero_dyn(as_double(DCFormerForCausalLM(config).state_dict()))
     oracle_state.update({k: v for k, v in state.items() if "dyn_w_proj" not in k})
     with torch.no_grad():
         logits = model(ids).logits
@@ -270,8 +272,8 @@ def test_ablation_smoke_run(tmp_path):
     compare_small.main(smoke_argv(tmp_path, "--ablation", "--seeds", "1", "--out", str(out)))
     data = json.loads((out / "results.json").read_text())
     runs = {r["model"]: r for r in data["runs"]}
-    assert list(runs) == list(compare_small.MODELS)
-    last = {kind: runs[kind]["dyn_norms"][-1] for kind in compare_small.DC_MODELS}
+    assert list(runs) == list(ablation.MODELS)
+    last = {kind: runs[kind]["dyn_norms"][-1] for kind in ablation.DC_MODELS}
     pre, post = ("pre_q", "pre_k"), ("post_q", "post_k")
     for kind, off, on in (("pre", post, pre), ("post", pre, post)):
         assert all(last[kind][part][s] == 0 for part in ("w2", "dd") for s in off)
@@ -281,5 +283,5 @@ def test_ablation_smoke_run(tmp_path):
     assert runs["query-wise"]["parameters"] < runs["dcformer"]["parameters"]
     assert runs["pre"]["parameters"] < runs["dcformer"]["parameters"]  # the frozen half is not counted
     table = (out / "results.md").read_text()
-    for kind in compare_small.MODELS:
-        assert f"| {compare_small.LABELS[kind]} | " in table
+    for kind in ablation.MODELS:
+        assert f"| {ablation.LABELS[kind]} | " in table

@@ -56,12 +56,13 @@ def test_console_blocks_are_the_install_and_the_make_targets():
 @pytest.fixture
 def stand_ins(tmp_path_factory):
     """Tiny local checkpoints for the README's Hub ids."""
-    import demo  # examples/demo.py: its tiny Pythia (GPT-NeoX layout and a byte-level BPE tokenizer)
-    from tokenizer_utils import read_lines
+    # the demo's tiny Pythia (GPT-NeoX layout and a byte-level BPE tokenizer)
+    from modeling_dcformer.experiments.pipeline import build_tiny_pythia
+    from modeling_dcformer.experiments.tokenizer_utils import read_lines
 
     root = tmp_path_factory.mktemp("stand_ins")
     pythia = root / "pythia-tiny"
-    demo.build_tiny_pythia(pythia, read_lines([demo.TRAIN_TXT]), seed=0)
+    build_tiny_pythia(pythia, read_lines([ROOT / "examples" / "data" / "harbour_train.txt"]), seed=0)
     dcpythia, _, _ = released_dir(root, "released-dcpythia", model_type="dcpythia")
     dcformer, _, _ = released_dir(root, "released-dcformer", model_type="dcformer")
     return {"Caiyun-AI/DCPythia-6.9B": str(dcpythia), "Caiyun-AI/DCFormer-2.8B": str(dcformer),

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 
-import demo  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
-import train_clm
-from helpers import save_tiny_neox
+from helpers import load_example, save_tiny_neox
 from modeling_dcformer.conversion import caiyun_to_hf
 from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
+from modeling_dcformer.experiments import train_clm
 from released_checkpoint import released_dir
+
+demo = load_example("demo")  # examples/demo.py, in-process
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -80,7 +81,7 @@ ACCELERATE_CPU_ARGV = ["python3", "/usr/bin/accelerate", "launch", "--num_proces
 
 
 def assert_names_the_routes(message):
-    assert "accelerate launch --config_file examples/accelerate/multi_cpu_gloo.yaml" in message
+    assert "accelerate launch --config_file $(dcformer-train --print-accelerate-config multi_cpu_gloo)" in message
     assert "torchrun --nproc_per_node" in message and "--use_cpu" in message
 
 
@@ -115,7 +116,7 @@ def run_train_clm(launcher: list[str], tmp_path) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "WORLD_SIZE", "RANK", "MASTER_"))}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HOME=str(tmp_path / "hf_home"),
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", ACCELERATE_DISABLE_RICH="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLES)]))  # fmt: skip
+               )  # fmt: skip
     args = [
         str(EXAMPLES / "train_clm.py"), "--config_name", "dcformer-tiny", "--new_tokenizer_vocab_size", "300",
         "--train_file", str(EXAMPLES / "data" / "harbour_train.txt"), "--block_size", "32",
@@ -135,7 +136,7 @@ def test_accelerate_cpu_launch_runs_one_process_and_says_so(tmp_path):
     output = run_train_clm(launcher, tmp_path)
     assert "process rank 0 of 1" in output and "of 2" not in output
     assert "accelerate launch was asked for 2 processes but started only this one" in output
-    assert "multi_cpu_gloo.yaml" in output and "torchrun --nproc_per_node" in output
+    assert "--print-accelerate-config multi_cpu_gloo" in output and "torchrun --nproc_per_node" in output
 
 
 @pytest.mark.slow
@@ -161,7 +162,8 @@ def demo_summary(bench: dict) -> dict:
         "evaluation": {"tasks": {}},
         "save": {"dir": "/d/out", "auto_map": True, "model_card": True},
         "reload": {"native": {"ok": True, "max_abs_diff": 0.0},
-                   "remote_code": {"status": "skipped", "reason": "test"}},
+                   "remote_code": {"status": "ok", "ok": True, "max_abs_diff": 0.0,
+                                   "modeling_dcformer_importable": False}},
         "generation": {"greedy": "a", "sampled": ["b"], "cache_matches_no_cache": True},
         "bench": bench,
         "wall_time_s": 1.0,

@@ -1,4 +1,5 @@
-"""Training DCFormer with the transformers Trainer and examples/train_clm.py (CPU, tiny models, no downloads).
+"""Training DCFormer with the transformers Trainer and dcformer-train / examples/train_clm.py (CPU, tiny models, no
+downloads).
 
 - Trainer lowers the loss of a tiny model on a small repeated corpus;
 - chunked attention (with per-chunk recompute, with and without layer checkpointing) gives the loss and gradients of
@@ -7,12 +8,11 @@
 - activation checkpointing, bf16 autocast, fp16 (what the CPU allows) and torch.compile under Trainer;
 - the script's CLI end to end on the bundled text (preset + local tokenizer, .txt and .jsonl, eval perplexity,
   auto-resume, a model that loads with from_pretrained);
-- two processes over gloo: DDP through `accelerate launch` with examples/accelerate/multi_cpu_gloo.yaml, and FSDP2
+- two processes over gloo: DDP through `accelerate launch` with the installed multi_cpu_gloo.yaml, and FSDP2
   (fully_shard on each DCFormerDecoderLayer) against single-process training;
 - the shipped accelerate / DeepSpeed config files are consistent with the model.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -30,12 +30,13 @@ EXAMPLES = ROOT / "examples"
 SCRIPT = EXAMPLES / "train_clm.py"
 TRAIN_TXT = EXAMPLES / "data" / "harbour_train.txt"
 VALID_TXT = EXAMPLES / "data" / "harbour_validation.txt"
-ACCELERATE_DIR = EXAMPLES / "accelerate"
-
-from tokenizer_utils import build_tiny_tokenizer, read_lines  # examples/, on sys.path through setup.cfg's pytest `pythonpath`
 
 import modeling_dcformer  # noqa: F401
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.experiments import train_clm
+from modeling_dcformer.experiments.tokenizer_utils import build_tiny_tokenizer, read_lines
+
+ACCELERATE_DIR = train_clm.ACCELERATE_DIR  # the accelerate configs, installed with the package
 
 BLOCK = 32
 TOKENIZER_VOCAB = 384
@@ -146,8 +147,6 @@ def subprocess_env(tmp_path):
         HF_HOME=str(tmp_path / "hf_home"),  # datasets' cache of the local files goes here, not to ~/.cache
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
-        # the worker processes that run this file import as the tests do (setup.cfg's pytest `pythonpath`)
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLES)]),
         PYTHONUNBUFFERED="1",
         ACCELERATE_DISABLE_RICH="1",
     )
@@ -164,10 +163,7 @@ def run_cmd(cmd, env, timeout=150):
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("train_clm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return train_clm  # examples/train_clm.py runs modeling_dcformer.experiments.train_clm's command line
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -389,12 +385,15 @@ def script_args(output_dir, tokenizer_dir, *extra, model=("--config_name", "dcfo
 
 
 def test_script_units():
+    from modeling_dcformer.configuration import config_file  # the one preset resolver, behind --config_name
+
     script = load_script()
-    assert script.resolve_preset("dcformer-tiny") == ROOT / "configuration" / "dcformer-tiny.json"
-    assert script.resolve_preset(str(ROOT / "configuration" / "dcformer-tiny.json")).is_file()
-    assert script.resolve_preset("EleutherAI/pythia-160m") is None  # a Hub id / directory: AutoConfig's job
-    with pytest.raises(FileNotFoundError, match="presets in"):
-        script.resolve_preset("no-such-preset.json")
+    assert config_file("dcformer-tiny") == ROOT / "configuration" / "dcformer-tiny.json"
+    assert config_file("dcpythia-6.9b.json") == ROOT / "configuration" / "dcpythia-6.9b.json"
+    assert config_file(str(ROOT / "configuration" / "dcformer-tiny.json")).is_file()
+    assert config_file("EleutherAI/pythia-160m") is None  # a Hub id / directory: AutoConfig's job
+    with pytest.raises(FileNotFoundError, match="the presets are: dcformer-2.8b, dcformer-tiny"):
+        config_file("no-such-preset.json")
 
     config = DCFormerConfig.from_json_file(ROOT / "configuration" / "dcformer-tiny.json")
     new = script.apply_config_overrides(config, "window_size=None,attention_chunk_size=32,attention_recompute=false")
@@ -495,8 +494,9 @@ def test_script_cli_model_dir_jsonl_and_auto_resume(tokenizer_dir, tmp_path):
 # 6. Several processes (gloo on the CPU)
 # ----------------------------------------------------------------------------------------------------------------
 def test_two_process_ddp_with_accelerate_launch(tokenizer_dir, tmp_path):
-    """`accelerate launch --config_file examples/accelerate/multi_cpu_gloo.yaml`: two CPU processes (DDP, gloo)
-    train, the loss is finite and falls, and rank 0 saves a model that loads."""
+    """`accelerate launch --config_file $(dcformer-train --print-accelerate-config multi_cpu_gloo)`: two CPU
+    processes (DDP, gloo) train, the loss is finite and falls, DDP does not warn about unused parameters, and rank 0
+    saves a model that loads."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "ddp"
@@ -506,10 +506,12 @@ def test_two_process_ddp_with_accelerate_launch(tokenizer_dir, tmp_path):
         str(SCRIPT),
         *script_args(out, tokenizer_dir, "--train_file", str(TRAIN_TXT), "--validation_file", str(VALID_TXT),
                      "--do_train", "--do_eval", "--max_steps", "12", "--per_device_train_batch_size", "4",
-                     "--ddp_find_unused_parameters", "false", "--save_strategy", "no"),
+                     "--save_strategy", "no"),
     ]  # fmt: skip
     output = run_cmd(cmd, subprocess_env(tmp_path))
     assert "process rank 0 of 2" in output and "process rank 1 of 2" in output, output[-3000:]
+    # the script tells DDP that every parameter is used (it is): no search for unused ones, and no warning
+    assert "find_unused_parameters=True" not in output and "unused parameters" not in output
     assert "distributed distributed" in output
     state = json.loads((out / "trainer_state.json").read_text())
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
@@ -622,7 +624,7 @@ def test_accelerate_configs_and_model_attributes():
     for stage in (2, 3):
         cfg = yaml.safe_load((ACCELERATE_DIR / f"deepspeed_zero{stage}.yaml").read_text())
         assert cfg["distributed_type"] == "DEEPSPEED"
-        ds_file = ROOT / cfg["deepspeed_config"]["deepspeed_config_file"]
+        ds_file = ACCELERATE_DIR / cfg["deepspeed_config"]["deepspeed_config_file"]
         ds = json.loads(ds_file.read_text())
         assert ds["zero_optimization"]["stage"] == stage
         assert "optimizer" not in ds  # Trainer's torch optimizer: no DeepSpeed op to compile

@@ -1,6 +1,7 @@
 """A tiny byte-level BPE tokenizer trained locally, for demos and tests that must not download anything.
 
-    python examples/tokenizer_utils.py examples/data/harbour_train.txt --vocab-size 512 --out ./tiny-tokenizer
+    python -m modeling_dcformer.experiments.tokenizer_utils examples/data/harbour_train.txt --vocab-size 512 \
+        --out ./tiny-tokenizer
 
 The result is an ordinary `transformers` tokenizer directory (`AutoTokenizer.from_pretrained(out_dir)`), with
 GPT-NeoX/Pythia conventions: byte-level pre-tokenisation (no unknown tokens) and one special token
