@@ -7,7 +7,7 @@ in place: `generate(..., cache_implementation="static")`). The attention fills i
 """
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .configuration_dcformer import DCFormerConfig
 
@@ -254,4 +254,54 @@ class DCFormerCache(Cache):
             layer.crop(tokens_to_remove)
 
 
-__all__ = ["DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer"]
+# generate()'s cache_implementation values DCFormer honours: None (its default, the growing cache), "dynamic" and
+# "static". transformers' others ("offloaded", "quantized", "offloaded_static", the deprecated "sliding_window",
+# "hybrid", "hybrid_chunked", ...; "paged") build caches of keys and values alone, which cannot hold DCMHA's key
+# composition factors; transformers itself turns "hybrid" into its default silently, so it is refused before that.
+SUPPORTED_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
+CACHE_HINT = (
+    "use DCFormerCache(model.config) (growing) or DCFormerCache(model.config, max_cache_len=N) (static buffers; "
+    "from modeling_dcformer import DCFormerCache), or let generate() build it: cache_implementation=\"static\" "
+    "or \"dynamic\" (the default)"
+)
+
+
+def check_cache_implementation(implementation) -> None:
+    """Refuses a `cache_implementation` DCFormer does not support, with one line naming the value and what to use."""
+    if implementation is not None and implementation not in SUPPORTED_CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"cache_implementation={implementation!r} is not supported by DCFormer: its cache also holds each key's "
+            f"composition factors, which transformers' {implementation!r} cache cannot; {CACHE_HINT}"
+        )
+
+
+def check_cache(cache) -> "DCFormerCache | None":
+    """The cache a DCFormer forward pass may use, from the one it was given.
+
+    A `DCFormerCache` is used as it is. An empty plain `DynamicCache` (what generic transformers code creates, e.g.
+    `DynamicCache(config=config)`) gives None: the model then starts a growing `DCFormerCache`, which is what a
+    DynamicCache would have been, and returns it as its output cache. Anything else is refused with a TypeError
+    naming it and the cache to use: a filled DynamicCache (it has no composition factors for the keys it holds), an
+    offloading one, transformers' `StaticCache`, `QuantizedCache`, `EncoderDecoderCache` or other Cache classes (their
+    layers store keys and values only, and a static cache given to be written in place would be silently replaced),
+    and objects that are not a Cache (legacy tuples)."""
+    if cache is None or isinstance(cache, DCFormerCache):
+        return cache
+    name = type(cache).__name__
+    if not isinstance(cache, Cache):
+        raise TypeError(f"DCFormer's cache must be a DCFormerCache, got a {name}; {CACHE_HINT}")
+    if type(cache) is DynamicCache and not getattr(cache, "offloading", False):
+        if cache.get_seq_length() > 0:
+            raise TypeError(
+                f"DCFormer cannot continue from a filled DynamicCache ({cache.get_seq_length()} tokens): it lacks the "
+                f"keys' composition factors; {CACHE_HINT}"
+            )
+        return None
+    what = "an offloading DynamicCache" if type(cache) is DynamicCache else f"transformers' {name}"
+    raise TypeError(
+        f"DCFormer cannot use {what}: its cache also holds each key's composition factors, which that cache's "
+        f"layers cannot store; {CACHE_HINT}"
+    )
+
+
+__all__ = ["DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer", "check_cache", "check_cache_implementation"]

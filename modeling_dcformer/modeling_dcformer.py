@@ -31,7 +31,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
-from .cache_dcformer import DCFormerCache
+from .cache_dcformer import DCFormerCache, check_cache, check_cache_implementation
 from .configuration_dcformer import DCFormerConfig, check_attn_implementation
 from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch, describe_unreadable
 from .dcmha import DCMHAInputs, dcmha_attention
@@ -543,13 +543,7 @@ class DCFormerModel(DCFormerPreTrainedModel):
         B, T = inputs_embeds.shape[:2]
         device = inputs_embeds.device
 
-        if cache is not None and not isinstance(cache, DCFormerCache):
-            if cache.get_seq_length() > 0:
-                raise TypeError(
-                    f"DCFormer needs a DCFormerCache (keys' composition terms are cached too), got a filled "
-                    f"{type(cache).__name__}"
-                )
-            cache = None  # an empty generic cache: replace it with ours
+        cache = check_cache(cache)  # a DCFormerCache, or None for an empty DynamicCache; refuses any other cache
         if use_cache and cache is None:
             cache = DCFormerCache(self.config)
         past_length = cache.get_seq_length() if cache is not None else 0
@@ -628,11 +622,10 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         with `cache_implementation="static"` in buffers of `max_cache_len` (else the generation's max length)
         tokens."""
         implementation = generation_config.cache_implementation
-        if implementation is not None and implementation not in ("dynamic", "static"):
-            raise ValueError(
-                f"cache_implementation={implementation!r} is not supported by DCFormer (its cache also holds the "
-                'keys\' composition factors): use "dynamic" (the default) or "static"'
-            )
+        check_cache_implementation(implementation)
+        given = model_kwargs.get(CACHE_NAME)
+        if given is not None and check_cache(given) is None:  # an empty DynamicCache: built below as ours
+            model_kwargs[CACHE_NAME] = None
         if model_kwargs.get(CACHE_NAME) is not None:
             if implementation is not None:
                 raise ValueError(f"pass either cache_implementation or {CACHE_NAME} to generate(), not both")
@@ -649,6 +642,29 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
             model_kwargs[CACHE_NAME] = DCFormerCache(self.config)
         if generation_config.is_assistant:  # as transformers does: the main model rolls the assistant's cache back
             model_kwargs[CACHE_NAME].activate_past_recording()
+
+    def _prepare_generation_config(self, generation_config, **kwargs):
+        """transformers' own, after refusing a `cache_implementation` DCFormer does not support (given to
+        `generate()` or in the generation config passed to it): transformers would turn "hybrid" into its default
+        without a word."""
+        check_cache_implementation(kwargs.get("cache_implementation"))
+        if generation_config is not None:
+            check_cache_implementation(generation_config.cache_implementation)
+        return super()._prepare_generation_config(generation_config, **kwargs)
+
+    def _prepare_model_inputs(self, *args, **kwargs):
+        """transformers' own, then a clear error for an empty prompt (`generate()` would fail later with an
+        IndexError): there is no position to predict the next token from."""
+        inputs, input_name, model_kwargs = super()._prepare_model_inputs(*args, **kwargs)
+        if input_name in ("input_ids", "inputs_embeds") and inputs is not None and inputs.dim() >= 2:
+            if inputs.shape[1] == 0:
+                bos = self.generation_config.bos_token_id
+                hint = f" (e.g. the BOS token, id {bos})" if bos is not None else ""
+                raise ValueError(
+                    f"generate() got an empty prompt: {input_name} of shape {tuple(inputs.shape)}; give at least "
+                    f"one token per row{hint}, or no {input_name} at all to start from the BOS token"
+                )
+        return inputs, input_name, model_kwargs
 
     def get_output_embeddings(self):
         return self.lm_head
