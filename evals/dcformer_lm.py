@@ -13,7 +13,8 @@ hands to `from_pretrained`, so a config override such as `attention_chunk_size=5
 - `trust_remote_code` defaults to False: every checkpoint this project loads -- our native layout, a converted
   Pythia, the authors' released layout (config `model_type` "dcpythia"/"dcformer" with `dim`, `n_layer`, ...
   and an `auto_map` to their remote code) -- loads with the code in this repository;
-- a checkpoint without tokenizer files fails with a message that says to pass `tokenizer=...`.
+- a checkpoint without tokenizer files fails with a message that says to pass `tokenizer=...` (also where
+  transformers would build an empty tokenizer, as it does for a GPT-NeoX directory).
 """
 
 from __future__ import annotations
@@ -48,15 +49,19 @@ class DCFormerLM(HFLM):
             )
 
     def _create_tokenizer(self, pretrained, tokenizer, *args, **kwargs) -> None:
+        where = tokenizer if isinstance(tokenizer, str) else pretrained if isinstance(pretrained, str) else None
+        hint = (
+            "Pass one in --model_args, e.g. tokenizer=EleutherAI/pythia-6.9b (DCPythia checkpoints use the Pythia / "
+            "GPT-NeoX tokenizer), or tokenizer=<local directory>"
+        )
         try:
             super()._create_tokenizer(pretrained, tokenizer, *args, **kwargs)
-        except (OSError, ValueError, TypeError) as err:
-            where = tokenizer if isinstance(tokenizer, str) else pretrained if isinstance(pretrained, str) else None
-            raise OSError(
-                f"could not load a tokenizer from {where!r} ({err}). Pass one in --model_args, e.g. "
-                "tokenizer=EleutherAI/pythia-6.9b (DCPythia checkpoints use the Pythia / GPT-NeoX tokenizer), "
-                "or tokenizer=<local directory>"
-            ) from err
+        except (OSError, ValueError, TypeError, AssertionError) as err:
+            raise OSError(f"could not load a tokenizer from {where!r} ({err}). {hint}") from err
+        # transformers builds an empty tokenizer for some model types (GPT-NeoX) from a directory without
+        # tokenizer files: every text would then encode to nothing.
+        if where is not None and not self.tokenizer("Hello world", add_special_tokens=False)["input_ids"]:
+            raise OSError(f"the tokenizer loaded from {where!r} encodes no text (no vocabulary files there). {hint}")
 
 
 def register() -> None:

@@ -45,6 +45,7 @@ def _as_paths(include_path: str | os.PathLike | Iterable[str | os.PathLike] | No
 
 
 _local_index: dict | None = None
+_builtin_index: dict | None = None
 
 
 def local_task_names() -> set[str]:
@@ -57,14 +58,28 @@ def local_task_names() -> set[str]:
     return set(_local_index)
 
 
+def builtin_task_index() -> dict:
+    """lm-eval's index of its own 14,000-odd task files, built once a process (it takes most of a small run's
+    start-up; the files do not change while a process runs)."""
+    global _builtin_index
+    if _builtin_index is None:
+        import lm_eval.tasks
+        from lm_eval.tasks._index import TaskIndex
+
+        _builtin_index = TaskIndex.build([Path(lm_eval.tasks.__file__).parent])
+    return _builtin_index
+
+
 def _flatten_task_names(tasks: Iterable[Any] | str | None) -> list[Any]:
+    """Task names from a list and/or comma-joined strings, in order; empty names are kept (and refused by
+    `check_task_names`)."""
     if tasks is None:
         return []
     if isinstance(tasks, str):
         tasks = [tasks]
     names: list[Any] = []
     for task in tasks:
-        names.extend(t for t in task.split(",") if t) if isinstance(task, str) else names.append(task)
+        names.extend(task.split(",")) if isinstance(task, str) else names.append(task)
     return names
 
 
@@ -78,20 +93,45 @@ def _only_local(tasks: Iterable[Any] | str | None, include_path=None) -> bool:
     return all(isinstance(name, str) and name in local for name in names)
 
 
+def _task_manager_class(local_only: bool = False):
+    """lm-eval's TaskManager over evals/tasks and any include path, with lm-eval's built-in tasks unless
+    `local_only`. The built-in index comes from `builtin_task_index` (built once a process); the include paths
+    override built-in tasks of the same name, as in lm-eval."""
+    from collections import defaultdict
+
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._index import Kind
+
+    class TaskManagerWithLocalTasks(TaskManager):
+        def __init__(self, verbosity=None, include_path=None, include_defaults=True, metadata=None):
+            super().__init__(
+                verbosity=verbosity,
+                include_path=[TASKS_DIR, *_as_paths(include_path)],
+                include_defaults=False,
+                metadata=metadata,
+            )
+            if include_defaults and not local_only:
+                # the lists TaskManager.__init__ derives from its index (lm-eval 0.4.13), for the merged index
+                self._index = {**builtin_task_index(), **self._index}
+                buckets = defaultdict(list)
+                for name, entry in self._index.items():
+                    buckets[entry.kind].append(name)
+                self._all_tasks = sorted(self._index)
+                self._all_subtasks = sorted(buckets[Kind.TASK] + buckets[Kind.PY_TASK])
+                self._all_groups = sorted(buckets[Kind.GROUP])
+                self._all_tags = sorted(buckets[Kind.TAG])
+
+    return TaskManagerWithLocalTasks
+
+
 def make_task_manager(
     tasks=None, include_path=None, metadata: dict | None = None, include_defaults: bool | None = None
 ):
     """lm-eval's TaskManager over evals/tasks, any `include_path`, and (unless every one of `tasks` is ours)
     lm-eval's built-in tasks. `metadata` reaches every task (and our data loader: key `data_dir`)."""
-    from lm_eval.tasks import TaskManager
-
     if include_defaults is None:
         include_defaults = not _only_local(tasks, include_path)
-    return TaskManager(
-        include_path=[TASKS_DIR, *_as_paths(include_path)],
-        include_defaults=include_defaults,
-        metadata=metadata or {},
-    )
+    return _task_manager_class()(include_path=include_path, include_defaults=include_defaults, metadata=metadata or {})
 
 
 def _default_device() -> str:
@@ -114,21 +154,269 @@ def check_limit(limit) -> None:
         )
 
 
-def check_model_path(pretrained) -> None:
-    """A model given by name must be an existing directory or a Hub id: otherwise lm-eval reports "Repo id must be
-    in the form..." from deep inside the Hub client."""
-    if not isinstance(pretrained, (str, os.PathLike)):
+def check_num_fewshot(num_fewshot) -> None:
+    """A number of few-shot examples is an integer >= 0 (0: zero-shot); None leaves each task's default."""
+    if num_fewshot is None:
         return
-    from modeling_dcformer.hub import is_hub_id
-
-    name = os.fspath(pretrained)
-    path = Path(name).expanduser()
-    if path.exists() and not path.is_dir():
-        raise FileNotFoundError(f"model {name!r} is a file: give the model's directory (config.json and weights)")
-    if not path.exists() and not is_hub_id(name):
-        raise FileNotFoundError(
-            f"model {name!r}: no such directory, and not a Hub id ('namespace/name'): check the path"
+    if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0:
+        raise ValueError(
+            f"--num_fewshot {num_fewshot}: give a number of examples >= 0 (0: zero-shot), or leave --num_fewshot "
+            "out for each task's default"
         )
+
+
+def check_task_names(tasks) -> list:
+    """The requested names, flattened; an empty list or an empty name (a stray comma) is refused here, before
+    anything loads. Whether each name exists is `check_tasks`' question (it needs the task index)."""
+    names = _flatten_task_names(tasks)
+    shown = ",".join(name if isinstance(name, str) else "<config>" for name in names)
+    if not names or names == [""]:
+        raise ValueError(f"--tasks {shown!r} names no task: give task names, e.g. --tasks {','.join(DEFAULT_TASKS)}")
+    if any(isinstance(name, str) and not name.strip() for name in names):
+        raise ValueError(f"--tasks {shown!r} has an empty task name (a stray comma?): give names joined by single commas")
+    return names
+
+
+def _is_hub_id(name: str) -> bool:
+    """Whether `name` reads as a Hub repository id ("name" or "namespace/name") rather than a local path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.startswith((".", "/", "~")) or os.path.isabs(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE, or HF_DATASETS_OFFLINE for data sets) is set, as the
+    Hub client and `datasets` read them."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    return bool(huggingface_hub.constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE)
+
+
+def hub_unreachable() -> str | None:
+    """None when the Hub answers a single request (any status), else why not (one short phrase). One try with a
+    10 s timeout, no retries: the Hub client retries five times with back-off before it gives up."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session, httpx
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=10)
+    except (httpx.TransportError, OSError) as err:
+        return f"{constants.ENDPOINT} is unreachable ({type(err).__name__}: {err})"
+    return None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_model_source(pretrained, tokenizer=None, model_args: dict | None = None) -> None:
+    """A model given by name must be usable before anything loads (loading a 7B model takes minutes; lm-eval
+    fails only after it, or never: a GPT-NeoX directory without tokenizer files loads an empty tokenizer):
+
+    - a path: an existing directory (not a file), holding tokenizer files unless `tokenizer` names one;
+    - else a Hub id ('namespace/name') that is in the Hub cache, or that the Hub can be asked for (not offline,
+      the Hub answers).
+    A tokenizer given by name passes the same checks. Raises FileNotFoundError / ConnectionError, one line naming
+    the model (or tokenizer) and the option."""
+    model_args = model_args or {}
+    if isinstance(pretrained, (str, os.PathLike)):
+        _check_source(
+            os.fspath(pretrained), "model", "config.json",
+            need_tokenizer=tokenizer is None and not model_args.get("gguf_file"),
+            subfolder=model_args.get("subfolder"), revision=model_args.get("revision"),
+        )
+    if isinstance(tokenizer, (str, os.PathLike)):
+        _check_source(os.fspath(tokenizer), "tokenizer", "tokenizer_config.json", need_tokenizer=True)
+
+
+def _check_source(name: str, what: str, hub_file: str, need_tokenizer: bool, subfolder=None, revision=None) -> None:
+    path = Path(name).expanduser()
+    option = f"{'pretrained' if what == 'model' else what}={name} in --model_args"
+    if path.exists() and not path.is_dir():
+        raise FileNotFoundError(f"{what} {name!r} is a file: give the {what}'s directory")
+    if path.is_dir():
+        folder = path / subfolder if subfolder else path
+        if need_tokenizer and not any((folder / file).is_file() for file in TOKENIZER_FILES):
+            raise FileNotFoundError(
+                f"{what} directory {name!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): add "
+                "tokenizer=<directory or Hub id> to --model_args (DCPythia: tokenizer=EleutherAI/pythia-6.9b)"
+            )
+        return
+    if not _is_hub_id(name):
+        raise FileNotFoundError(
+            f"{what} {name!r} ({option}): no such directory, and not a Hub id ('namespace/name'): check the path"
+        )
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, hub_file, revision=revision), str):
+        return
+    if hub_offline():
+        raise ConnectionError(
+            f"{what} {name!r} ({option}): no such directory, and not in the Hub cache while HF_HUB_OFFLINE is set: "
+            f"give the {what}'s directory, or download it once with the Hub reachable"
+        )
+    reason = hub_unreachable()
+    if reason:
+        raise ConnectionError(
+            f"{what} {name!r} ({option}): no such directory, not in the Hub cache, and {reason}: give the {what}'s "
+            "directory"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- task checks
+class DataUnreachableError(ConnectionError):
+    """The data of a requested task is on the Hub, which cannot be reached (offline, or no network), and it is
+    not in the `datasets` cache."""
+
+
+def _local_copies(tasks: Iterable[str]) -> list[str]:
+    local = local_task_names()
+    return [f"{task}_local" for task in tasks if f"{task}_local" in local]
+
+
+def data_unreachable_message(what: str, tasks: Iterable[str] = ()) -> str:
+    """One line: what is unreachable, and the offline route (the `*_local` tasks and where they read)."""
+    copies = _local_copies(tasks) or list(DEFAULT_TASKS)
+    return (
+        f"{what}; offline, run the local copies: --tasks {','.join(copies)} (tag dcformer_local: the three), "
+        f"reading JSON-lines files from --metadata data_dir=DIR (or ${_data_env_var()}=DIR; default: the small "
+        "fixtures shipped in evals/fixtures); docs/evaluation.md says how to export the full sets"
+    )
+
+
+def _data_env_var() -> str:
+    from modeling_dcformer.evals.tasks import local_data
+
+    return local_data.ENV_VAR
+
+
+def _leaf_configs(name: str, index: dict, seen: set | None = None) -> list[tuple[str, dict]]:
+    """(task name, index config) of every task that `name` (a task, group or tag of the index) runs."""
+    from lm_eval.tasks._index import Kind
+
+    seen = set() if seen is None else seen
+    entry = index.get(name)
+    if entry is None or name in seen:
+        return []
+    seen.add(name)
+    if entry.kind is Kind.TAG:
+        return [leaf for other in index.values() if name in other.tags for leaf in _leaf_configs(other.name, index, seen)]
+    if entry.kind is Kind.GROUP:
+        children = (entry.cfg or {}).get("task") or []
+        leaves = []
+        for child in children if isinstance(children, list) else [children]:
+            if isinstance(child, str):
+                leaves.extend(_leaf_configs(child, index, seen))
+            elif isinstance(child, dict) and isinstance(child.get("task"), str):
+                base = index.get(child["task"])
+                cfg = {**(base.cfg or {}), **child} if base is not None and base.cfg else child
+                leaves.append((child["task"], cfg))
+        return leaves
+    return [(name, entry.cfg or {})]
+
+
+def _hub_dataset(cfg: dict) -> str | None:
+    """The Hub data set a task config loads (`dataset_path`), or None when it reads local files."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    path = cfg.get("dataset_path")
+    if cfg.get("custom_dataset") or not isinstance(path, str) or not path:
+        return None
+    if path in _PACKAGED_DATASETS_MODULES or os.path.exists(path) or not _is_hub_id(path):
+        return None
+    return path
+
+
+def _dataset_cached(path: str) -> bool:
+    """Whether `datasets` would load `path` from its cache without the Hub (its own lookup, warning silenced)."""
+    import logging as std_logging
+
+    from datasets.load import CachedDatasetModuleFactory
+
+    logger = std_logging.getLogger("datasets.load")
+    level = logger.level
+    logger.setLevel(std_logging.ERROR)
+    try:
+        CachedDatasetModuleFactory(path).get_module()
+    except Exception:  # noqa: BLE001 -- any failure means: not usable from the cache
+        return False
+    finally:
+        logger.setLevel(level)
+    return True
+
+
+def check_tasks(names: Sequence[Any], task_manager, metadata: dict | None = None) -> None:
+    """Before the model loads: every name is a task, group or tag of `task_manager` (or a task file or directory,
+    as lm-eval allows); the `*_local` tasks find their data directory and files; the data of Hub tasks is in the
+    `datasets` cache or the Hub can be reached (not offline, and it answers one request)."""
+    from lm_eval.utils import pattern_match
+
+    from modeling_dcformer.evals.tasks import local_data
+
+    index = task_manager.task_index
+    leaves: list[tuple[str, dict]] = []
+    for name in names:
+        if not isinstance(name, str):  # an inline task config
+            continue
+        matched = pattern_match([name], task_manager.all_tasks)
+        if not matched:
+            if name.endswith(".yaml") or Path(name).is_dir():
+                continue  # lm-eval reads task files and directories itself
+            import difflib
+
+            close = difflib.get_close_matches(name, task_manager.all_tasks, n=3, cutoff=0.8)
+            hint = f" (close: {', '.join(close)})" if close else ""
+            raise ValueError(
+                f"--tasks {name!r}: no task, group or tag of that name{hint}; `dcformer-eval ls tasks` lists them "
+                f"(offline copies: {', '.join(DEFAULT_TASKS)}, tag dcformer_local)"
+            )
+        for match in matched:
+            leaves.extend(_leaf_configs(match, index))
+
+    metadata = metadata or {}
+    data_dir = metadata.get("data_dir")
+    if data_dir is not None and not Path(str(data_dir)).expanduser().is_dir():
+        raise FileNotFoundError(f"--metadata data_dir={data_dir}: no such directory")
+    local_names = sorted({cfg["dataset_kwargs"]["local_name"] for _, cfg in leaves
+                          if isinstance(cfg.get("dataset_kwargs"), dict) and "local_name" in cfg["dataset_kwargs"]})
+    if local_names:
+        if data_dir is None and os.environ.get(local_data.ENV_VAR):
+            directory = os.environ[local_data.ENV_VAR]
+            if not Path(directory).expanduser().is_dir():
+                raise FileNotFoundError(f"${local_data.ENV_VAR}={directory}: no such directory")
+        directory = local_data.resolve_data_dir(data_dir)
+        missing = [f"{local}.jsonl" for local in local_names if not (directory / f"{local}.jsonl").is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"data directory {directory} lacks {', '.join(missing)}: point --metadata data_dir=DIR (or "
+                f"${local_data.ENV_VAR}) at a directory holding it"
+            )
+
+    remote = {}
+    for task, cfg in leaves:
+        path = _hub_dataset(cfg)
+        if path is not None and not _dataset_cached(path):
+            remote.setdefault(path, []).append(task)
+    if not remote:
+        return
+    tasks = list(dict.fromkeys(task for group in remote.values() for task in group))  # in the order asked
+    shown = ", ".join(f"{', '.join(group)} ({path})" for path, group in remote.items())
+    if hub_offline():
+        raise DataUnreachableError(data_unreachable_message(
+            f"the data of {shown} is on the Hub and not in the datasets cache, and HF_HUB_OFFLINE / "
+            "HF_DATASETS_OFFLINE is set", tasks,
+        ))
+    reason = hub_unreachable()
+    if reason:
+        raise DataUnreachableError(data_unreachable_message(
+            f"the data of {shown} is on the Hub and not in the datasets cache, and {reason}", tasks,
+        ))
 
 
 def evaluate(
@@ -165,23 +453,28 @@ def evaluate(
     from lm_eval.api.model import LM
     from lm_eval.api.registry import get_model
 
-    from . import dcformer_lm
+    from modeling_dcformer.evals import dcformer_lm
 
     dcformer_lm.register()
     check_limit(limit)
-    if not isinstance(model, LM):
-        check_model_path(model)
-    task_list = _flatten_task_names(tasks)
+    check_num_fewshot(num_fewshot)
+    task_list = check_task_names(tasks)
     evaluate_params = set(inspect.signature(lm_eval.simple_evaluate).parameters) - {"model", "model_args", "tasks"}
     eval_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in evaluate_params}
     eval_kwargs.setdefault("log_samples", False)
     metadata = dict(eval_kwargs.pop("metadata", None) or {})
     if data_dir is not None:
         metadata["data_dir"] = str(Path(data_dir).expanduser().resolve())
-
     if isinstance(model, LM):
         if tokenizer is not None or kwargs:
             raise TypeError("tokenizer and model keyword arguments do not apply to a ready lm-eval LM")
+    else:
+        check_model_source(model, tokenizer, kwargs)
+    # every check that can fail before the model loads (a 7B model takes minutes)
+    task_manager = make_task_manager(task_list, include_path=include_path, metadata=metadata)
+    check_tasks(task_list, task_manager, metadata)
+
+    if isinstance(model, LM):
         lm = model
     else:
         model_kwargs = dict(kwargs)
@@ -190,16 +483,20 @@ def evaluate(
             model_kwargs.setdefault("device", _default_device())
         lm = get_model(lm_class)(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **model_kwargs)
 
-    task_manager = make_task_manager(task_list, include_path=include_path, metadata=metadata)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=task_list,
-        num_fewshot=num_fewshot,
-        batch_size=batch_size,
-        limit=limit,
-        task_manager=task_manager,
-        **eval_kwargs,
-    )
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=task_list,
+            num_fewshot=num_fewshot,
+            batch_size=batch_size,
+            limit=limit,
+            task_manager=task_manager,
+            **eval_kwargs,
+        )
+    except DataUnreachableError:
+        raise
+    except ConnectionError as err:  # data that the checks above took for cached, or a network that went away
+        raise DataUnreachableError(data_unreachable_message(str(err), task_list)) from err
     if results is None:  # not the main process of a distributed run
         return results
     if model_name is None:
@@ -238,52 +535,130 @@ def _install_task_path(local_only: bool):
     --include_path, and skip lm-eval's built-in tasks when the run names only ours. Returns the class it
     replaced (`main` puts it back when done)."""
     import lm_eval.tasks
-    from lm_eval.tasks.manager import TaskManager
-
-    class TaskManagerWithLocalTasks(TaskManager):
-        def __init__(self, verbosity=None, include_path=None, include_defaults=True, metadata=None):
-            super().__init__(
-                verbosity=verbosity,
-                include_path=[TASKS_DIR, *_as_paths(include_path)],
-                include_defaults=include_defaults and not local_only,
-                metadata=metadata,
-            )
 
     previous = lm_eval.tasks.TaskManager
-    lm_eval.tasks.TaskManager = TaskManagerWithLocalTasks
+    lm_eval.tasks.TaskManager = _task_manager_class(local_only)
     return previous
+
+
+WRAPPER_HELP = f"""\
+dcformer-eval: lm-eval's command line for DCFormer (modeling_dcformer.evals.harness; docs/evaluation.md).
+Every lm-eval subcommand and option below works as in lm-eval (`lm-eval` in its examples reads `dcformer-eval`).
+What the wrapper adds:
+  --model dcformer    DCFormer / DCPythia checkpoints (this package's layout, a converted Pythia, the authors'
+                      released layout) with this package's code, trust_remote_code off; --model hf works too
+  *_local tasks       offline copies of lm-eval's tasks: {", ".join(DEFAULT_TASKS)}
+                      (tag dcformer_local: the three), dcformer_gen_local; always on the include path
+  --metadata data_dir=DIR
+                      where the *_local tasks read their JSON-lines files (else $DCFORMER_EVAL_DATA, else the
+                      small fixtures shipped in evals/fixtures)
+  checks first        before the model loads: --tasks names, the data directory and files, whether each data set
+                      is cached or the Hub reachable (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE respected), the model
+                      directory or Hub id and its tokenizer, --limit, --num_fewshot: each fault is one line, exit 2
+  --output_path PATH  lm-eval's results_<date>.json; `python -m modeling_dcformer.evals.report` turns results
+                      files into a markdown table and a chart beside published numbers
+
+lm-eval's own help follows.
+"""
+
+
+def _describe_wrapper(cli) -> None:
+    """Put WRAPPER_HELP before lm-eval's descriptions (the top level and `run`) and name the program."""
+    parser = cli._parser  # lm-eval 0.4.13's HarnessCLI keeps its parser and subparsers here
+    parser.prog = "dcformer-eval"
+    parser.description = f"{WRAPPER_HELP}\n{parser.description}"
+    for name, sub in cli._subparsers.choices.items():
+        sub.prog = f"dcformer-eval {name}"
+        if sub.usage:
+            sub.usage = sub.usage.replace("lm-eval ", "dcformer-eval ", 1)
+        if name == "run":
+            sub.description = f"{WRAPPER_HELP}\n{sub.description or ''}"
+
+
+def _run_settings(args) -> dict:
+    """The `run` settings as lm-eval's EvaluatorConfig.from_cli merges them: a --config YAML file, then every
+    option given on the command line; `model_args` and `metadata` as dicts."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.utils import simple_parse_args_string
+
+    settings: dict = {}
+    if getattr(args, "config", None):
+        settings.update(EvaluatorConfig.load_yaml_config(args.config))
+    settings.update({k: v for k, v in vars(args).items() if (v or v == 0) and k not in ("command", "func")})
+    for key in ("model_args", "metadata"):
+        if isinstance(settings.get(key), str):
+            settings[key] = simple_parse_args_string(settings[key])
+    return settings
+
+
+def _is_hf_model(name: str | None) -> bool:
+    """Whether the lm-eval model `name` is lm-eval's HFLM or a subclass (ours): `pretrained` is then a checkpoint."""
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.huggingface import HFLM
+
+    try:
+        cls = get_model(name or "hf")
+    except Exception:  # noqa: BLE001 -- an unknown or uninstallable model: lm-eval reports it
+        return False
+    return isinstance(cls, type) and issubclass(cls, HFLM)
+
+
+def check_run(settings: dict) -> bool:
+    """Every check of a `run` that can fail before the model loads; returns whether only our tasks run."""
+    check_limit(settings.get("limit"))
+    check_num_fewshot(settings.get("num_fewshot"))
+    if settings.get("tasks") is None:
+        raise ValueError(f"no --tasks given: name the tasks, e.g. --tasks {','.join(DEFAULT_TASKS)}")
+    names = check_task_names(settings["tasks"])
+    model_args = settings.get("model_args") or {}
+    if _is_hf_model(settings.get("model")):
+        check_model_source(model_args.get("pretrained"), model_args.get("tokenizer"), model_args)
+    metadata = {**model_args, **(settings.get("metadata") or {})}  # what lm-eval hands the tasks
+    local_only = _only_local(names, settings.get("include_path"))
+    task_manager = _task_manager_class(local_only)(include_path=settings.get("include_path"), metadata=metadata)
+    check_tasks(names, task_manager, metadata)
+    return local_only
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """lm-eval's command line (`run`, `ls`, `validate`) with the `dcformer` model and evals/tasks.
-    `argv` (without the program name) defaults to sys.argv[1:]."""
+    `argv` (without the program name) defaults to sys.argv[1:]. Returns 0, 2 for a fault found before the model
+    loads, 1 for data that proved unreachable during the run (each fault printed as one line on stderr)."""
     import lm_eval.tasks
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
-    from . import dcformer_lm
+    from modeling_dcformer.evals import dcformer_lm
 
     dcformer_lm.register()
     saved_argv = sys.argv
     if argv is not None:
-        sys.argv = [sys.argv[0] if sys.argv else "harness.py", *argv]
+        sys.argv = [sys.argv[0] if sys.argv else "dcformer-eval", *argv]
     previous = None
     try:
         setup_logging()
         parser = HarnessCLI()  # reads sys.argv; inserts `run` when no subcommand is given, as lm-eval does
+        _describe_wrapper(parser)
         args = parser.parse_args()
+        local_only, names = False, []
         if getattr(args, "command", None) == "run":
             try:
-                check_limit(getattr(args, "limit", None))
-                check_model_path((getattr(args, "model_args", None) or {}).get("pretrained"))
+                local_only = check_run(_run_settings(args))
             except (ValueError, OSError) as err:
-                print(f"error: {err}", file=sys.stderr)
+                print(f"error: {_one_line(err)}", file=sys.stderr)
                 return 2
-        local_only = getattr(args, "command", None) == "run" and _only_local(
-            getattr(args, "tasks", None), getattr(args, "include_path", None)
-        )
+            names = _flatten_task_names(args.tasks)
         previous = _install_task_path(local_only)
-        parser.execute(args)
+        try:
+            parser.execute(args)
+        except ConnectionError as err:  # data the checks took for cached, or a network that went away mid-run
+            message = str(err) if isinstance(err, DataUnreachableError) else data_unreachable_message(str(err), names)
+            print(f"error: {_one_line(message)}", file=sys.stderr)
+            return 1
     finally:
         sys.argv = saved_argv
         if previous is not None:
