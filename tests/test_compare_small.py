@@ -13,8 +13,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from helpers import load_example
 from modeling_dcformer import DCFormerForCausalLM
+from modeling_dcformer.experiments import compare as compare_small  # examples/compare_small.py's command line
 from modeling_dcformer.experiments.ablation import GPTNeoXForCausalLM, matched_configs
 from modeling_dcformer.experiments.report import reach_step
 from modeling_dcformer.experiments.runner import make_compute_metrics
@@ -29,7 +29,6 @@ from modeling_dcformer.experiments.synthetic_tasks import (
 )
 
 torch.set_num_threads(1)
-compare_small = load_example("compare_small")  # the script's command line and main, in-process
 N_CHECK = 1500
 
 

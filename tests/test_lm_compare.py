@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import as_double, build_model, load_example, make_config, zero_dyn
+from helpers import as_double, build_model, make_config, zero_dyn
 from modeling_dcformer import DCFormerForCausalLM
 from modeling_dcformer.experiments import ablation, lm_corpus
+from modeling_dcformer.experiments import compare as compare_small  # examples/compare_small.py's command line
 from oracle import oracle_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -24,7 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "examples" / "data" / "harbour_train.txt"
 RARE_WORD = "zyzzyvaquokkaxylophone"
-compare_small = load_example("compare_small")  # the script's main, in-process
 
 
 def write_corpus(folder: Path, n_docs: int = 12, lines_per_doc: int = 20) -> list[Path]:

@@ -172,3 +172,23 @@ def test_from_preset_unknown_name_lists_the_presets():
     message = str(err.value)
     assert message.startswith("unknown preset 'dcpythia-7b'; the presets are: dcformer-2.8b, dcformer-tiny, ")
     assert "dcpythia-pythia-12b" in message and "\n" not in message
+
+
+def test_one_resolver_for_names_and_files(tmp_path):
+    """modeling_dcformer.configuration resolves presets for every tool (from_preset, dcformer-train --config_name,
+    compare_small.py --shape): the names are the files, a name or a file gives the file, anything else is None
+    (a directory or Hub id) or, for a `.json` name, an error listing the presets."""
+    from modeling_dcformer.configuration import config_file, preset_file, preset_names
+
+    assert preset_names() == sorted(os.path.basename(p)[: -len(".json")] for p in PRESETS)
+    for name in preset_names():
+        assert config_file(name) == preset_file(name) == config_file(f"{name}.json")
+        assert os.path.samefile(preset_file(name), os.path.join(CONFIG_DIR, f"{name}.json"))
+    own = tmp_path / "mine.json"
+    own.write_text(json.dumps({"model_type": "dcformer"}))
+    assert config_file(str(own)) == own
+    assert config_file("EleutherAI/pythia-160m") is None and config_file(str(tmp_path)) is None
+    with pytest.raises(FileNotFoundError, match="the presets are: dcformer-2.8b"):
+        config_file("no-such.json")
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        preset_file("nope")

@@ -5,8 +5,9 @@ tests import it by name:
   configs it is launched with are package data: `dcformer-train --print-accelerate-config NAME`);
 * `pipeline`: the steps of `examples/demo.py` (a tiny Pythia, conversion, fine-tuning, evaluation, saving,
   reloading with and without the package, generation);
-* `ablation`, `runner`, `report`: the small DCFormer vs Transformer comparison of `examples/compare_small.py`
-  (models and ablation variants, one training run, statistics, tables and plots), with its data in
+* `compare`, `ablation`, `runner`, `report`: the small DCFormer vs Transformer comparison of
+  `examples/compare_small.py` (its command line, models and ablation variants, one training run, statistics,
+  tables and plots), with its data in
   `synthetic_tasks` and `lm_corpus` and its argparse types in `arguments`;
 * `tokenizer_utils`: a tiny byte-level BPE tokenizer trained locally (no downloads).
 

@@ -9,13 +9,15 @@ if needed). The DCFormer variants of `--ablation`:
 * `static`: `StaticComposition` replaces the model's `DynamicWeightProjection` with learned constants in the
   same packed layout, so the model's attention consumes them unchanged;
 * `pre` / `post`: `freeze_slots` keeps the other composition slots of the model's own
-  `DynamicWeightProjection` at zero (the slot axes are those of its parameters, see its docstring).
+  `DynamicWeightProjection` at zero; which parameter entries feed a slot is read off the module's own forward
+  (`slot_masks`), not re-encoded here.
 
 Nothing here is part of a saved model's remote code.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 
 import torch
@@ -247,6 +249,22 @@ class StaticComposition(nn.Module):
         return terms.expand(B, T, *terms.shape).contiguous()
 
 
+def slot_masks(module: DynamicWeightProjection, slots: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """For each parameter of `module`, a mask that is 0 on the entries that feed the composition slots `slots`
+    and 1 elsewhere. Derived from the module's own forward, not from a copy of its packing: the entries whose
+    gradient is non-zero when only those slots of the output [B, T, G, C, 2I+1, M] are summed, on a float64 copy
+    with random weights (so that no entry is zero by chance, e.g. the zero composition of a converted Pythia)."""
+    probe = copy.deepcopy(module).double()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in probe.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    x = torch.randn(1, 3, probe.dw1.shape[0], generator=generator, dtype=torch.float64)
+    terms = probe(x)
+    grads = torch.autograd.grad(terms[:, :, :, list(slots)].sum(), list(probe.parameters()))
+    return {name: (grad == 0).to(param.dtype) for (name, param), grad in zip(module.named_parameters(), grads)}
+
+
 def freeze_slots(model: nn.Module, slots: tuple[int, ...]) -> int:
     """Sets the composition slots `slots` of every layer to zero and keeps them there (their gradients are masked),
     so they add nothing: the ablations `pre` and `post`. Returns the number of parameters frozen."""
@@ -254,17 +272,7 @@ def freeze_slots(model: nn.Module, slots: tuple[int, ...]) -> int:
     for module in model.modules():
         if not isinstance(module, DynamicWeightProjection):
             continue
-        masks = {
-            "dw1": torch.ones_like(module.dw1),
-            "qkw": torch.ones_like(module.qkw),
-            "dd": torch.ones_like(module.dd).view(module.dd.shape[0], module.num_groups, module.num_slots, -1),
-        }
-        for slot in slots:
-            masks["dw1"][:, :, slot] = 0
-            masks["qkw"][:, slot] = 0
-            masks["dd"][:, :, slot] = 0
-        masks["dd"] = masks["dd"].reshape(module.dd.shape)
-        for name, mask in masks.items():
+        for name, mask in slot_masks(module, slots).items():
             param = getattr(module, name)
             with torch.no_grad():
                 param.mul_(mask)
