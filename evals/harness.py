@@ -414,7 +414,12 @@ def check_tasks(names: Sequence[Any], task_manager, metadata: dict | None = None
     if not remote:
         return
     tasks = list(dict.fromkeys(task for group in remote.values() for task in group))  # in the order asked
-    shown = ", ".join(f"{', '.join(group)} ({path})" for path, group in remote.items())
+    def named(group: list[str]) -> str:  # a group such as mmlu runs dozens of tasks on one data set
+        return ", ".join(group) if len(group) <= 4 else f"{', '.join(group[:3])} and {len(group) - 3} more"
+
+    shown = ", ".join(f"{named(group)} ({path})" for path, group in list(remote.items())[:6])
+    if len(remote) > 6:
+        shown += f" and {len(remote) - 6} more data sets"
     if hub_offline():
         raise DataUnreachableError(data_unreachable_message(
             f"the data of {shown} is on the Hub and not in the datasets cache, and HF_HUB_OFFLINE / "
