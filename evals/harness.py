@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """lm-eval 0.4.13 for DCFormer: lm-eval's own command line, plus a Python entry point.
 
-Command line -- exactly lm-eval's (`run`, `ls`, `validate`, every option), with two additions: the model name
-`dcformer` (see evals/dcformer_lm.py) and the tasks of evals/tasks (`lambada_openai_local`, `piqa_local`,
-`hellaswag_local`, the tag `dcformer_local` for those three, and `dcformer_gen_local`):
+Command line -- lm-eval's (`run`, `ls`, `validate`, every option), with these additions (`dcformer-eval --help`
+lists them before lm-eval's help): the model name `dcformer` (see evals/dcformer_lm.py); the tasks of
+evals/tasks (`lambada_openai_local`, `piqa_local`, `hellaswag_local`, the tag `dcformer_local` for those three,
+and `dcformer_gen_local`) reading `--metadata data_dir=DIR`; and checks made before the model loads (task names,
+--limit, --num_fewshot, the data directory, data sets that the Hub would have to serve while it cannot, the model
+and its tokenizer), each fault one line `error: ...` with exit code 2:
 
     dcformer-eval run --model dcformer --model_args pretrained=Caiyun-AI/DCPythia-6.9B,dtype=float16 \\
         --tasks lambada_openai,piqa,hellaswag --batch_size 16 --device cuda:0 --output_path results/dcpythia-6.9b
@@ -13,7 +16,9 @@ Command line -- exactly lm-eval's (`run`, `ls`, `validate`, every option), with 
         --tasks dcformer_local --metadata data_dir=/data/evals      # offline (or DCFORMER_EVAL_DATA=/data/evals)
     dcformer-eval ls tasks
 
-Python (notebooks, tests):
+The same runs as `python -m modeling_dcformer.evals.harness ...` or as a file, `python evals/harness.py ...`.
+
+Python (notebooks, tests), with the same checks (raised):
 
     from modeling_dcformer.evals.harness import evaluate
     results = evaluate(model, tokenizer, ["lambada_openai_local", "piqa_local", "hellaswag_local"], batch_size=8)
@@ -173,7 +178,9 @@ def check_task_names(tasks) -> list:
     if not names or names == [""]:
         raise ValueError(f"--tasks {shown!r} names no task: give task names, e.g. --tasks {','.join(DEFAULT_TASKS)}")
     if any(isinstance(name, str) and not name.strip() for name in names):
-        raise ValueError(f"--tasks {shown!r} has an empty task name (a stray comma?): give names joined by single commas")
+        raise ValueError(
+            f"--tasks {shown!r} has an empty task name (a stray comma?): give names joined by single commas"
+        )
     return names
 
 
@@ -306,7 +313,8 @@ def _leaf_configs(name: str, index: dict, seen: set | None = None) -> list[tuple
         return []
     seen.add(name)
     if entry.kind is Kind.TAG:
-        return [leaf for other in index.values() if name in other.tags for leaf in _leaf_configs(other.name, index, seen)]
+        members = [other.name for other in index.values() if name in other.tags]
+        return [leaf for member in members for leaf in _leaf_configs(member, index, seen)]
     if entry.kind is Kind.GROUP:
         children = (entry.cfg or {}).get("task") or []
         leaves = []
@@ -406,7 +414,12 @@ def check_tasks(names: Sequence[Any], task_manager, metadata: dict | None = None
     if not remote:
         return
     tasks = list(dict.fromkeys(task for group in remote.values() for task in group))  # in the order asked
-    shown = ", ".join(f"{', '.join(group)} ({path})" for path, group in remote.items())
+    def named(group: list[str]) -> str:  # a group such as mmlu runs dozens of tasks on one data set
+        return ", ".join(group) if len(group) <= 4 else f"{', '.join(group[:3])} and {len(group) - 3} more"
+
+    shown = ", ".join(f"{named(group)} ({path})" for path, group in list(remote.items())[:6])
+    if len(remote) > 6:
+        shown += f" and {len(remote) - 6} more data sets"
     if hub_offline():
         raise DataUnreachableError(data_unreachable_message(
             f"the data of {shown} is on the Hub and not in the datasets cache, and HF_HUB_OFFLINE / "
@@ -632,9 +645,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
-    from modeling_dcformer.evals import dcformer_lm
-
-    dcformer_lm.register()
     saved_argv = sys.argv
     if argv is not None:
         sys.argv = [sys.argv[0] if sys.argv else "dcformer-eval", *argv]
@@ -643,7 +653,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging()
         parser = HarnessCLI()  # reads sys.argv; inserts `run` when no subcommand is given, as lm-eval does
         _describe_wrapper(parser)
-        args = parser.parse_args()
+        args = parser.parse_args()  # --help exits here, before torch and transformers are imported
+        from modeling_dcformer.evals import dcformer_lm
+
+        dcformer_lm.register()
         local_only, names = False, []
         if getattr(args, "command", None) == "run":
             try:
