@@ -394,6 +394,49 @@ def test_query_wise_release_with_four_slots_matches_oracle(tmp_path, capsys, via
     torch.testing.assert_close(logits_of(model, ids).double(), released_oracle_logits(cfg, state, ids), rtol=0, atol=ATOL)
 
 
+def test_query_wise_edited_into_a_released_config_is_said(tmp_path, caplog):
+    """Issue 30 item 5: a released config.json edited from query_wise false to true. The released layout stores four
+    slots either way (the authors' code allocates four and, when query-wise, reads slots 0 and 2), so the edit cannot
+    be told from a query-wise release by the files alone; what can be said is that trained (non-zero) key-wise
+    weights are dropped. The load says so once, naming the field and the folder, and computes what the authors' code
+    computes with that config."""
+    directory, cfg, state = released_dir(tmp_path)  # trained with query_wise=False: four non-zero slots
+    raw = json.loads((directory / "config.json").read_text())
+    raw["query_wise"] = True
+    (directory / "config.json").write_text(json.dumps(raw))
+    with caplog.at_level("WARNING"):
+        model = load(directory)
+    err = caplog.text
+    assert f"query_wise is true in the config.json of {directory}" in err, err
+    assert "key-wise composition weights" in err and "restore it" in err
+    assert err.count("query_wise is true") == 1  # once per checkpoint, not per tensor
+    ids = rand_ids(cfg)
+    expected = released_oracle_logits(dict(cfg, query_wise=True), state, ids)
+    torch.testing.assert_close(logits_of(model, ids).double(), expected, rtol=0, atol=ATOL)
+    unedited = released_oracle_logits(cfg, state, ids)
+    assert (logits_of(model, ids).double() - unedited).abs().max() > 100 * ATOL  # why it must be said
+
+
+def test_query_wise_release_with_unused_key_slots_loads_silently(tmp_path, caplog):
+    """The other side: a query-wise release whose key-wise slots hold zeros (never trained) drops nothing."""
+    cfg = released_config("dcpythia", query_wise=True)
+    state = released_state_dict(dict(cfg, query_wise=False), seed=3)
+    for key, tensor in state.items():
+        if key.endswith("dyn_w_proj.dw1"):  # [D, G, 4, K]
+            tensor[:, :, 1::2] = 0
+        elif key.endswith("dyn_w_proj.qkw"):  # [G, 4, K, 2I, M]
+            tensor[:, 1::2] = 0
+        elif key.endswith("dyn_w_proj.dd"):  # [D, G, 4M]
+            D, G = tensor.shape[:2]
+            tensor.view(D, G, 4, -1)[:, :, 1::2] = 0
+    directory = write_released_checkpoint(tmp_path / "released", cfg, state)
+    with caplog.at_level("WARNING"):
+        model = load(directory)
+    assert "query_wise is true" not in caplog.text
+    ids = rand_ids(cfg)
+    torch.testing.assert_close(logits_of(model, ids).double(), released_oracle_logits(cfg, state, ids), rtol=0, atol=ATOL)
+
+
 def test_released_intermediate_size_null_uses_the_released_default(tmp_path):
     for name, value in [("null", None), ("missing", ...)]:
         cfg = released_config("dcformer", dim=100, n_head=5, intermediate_size=value)  # `...` leaves the key out
