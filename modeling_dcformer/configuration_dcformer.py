@@ -13,21 +13,19 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from .dcmha_base import implementation_names
 from .released_format import is_released_config, translate_released_config
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-DCMHA_IMPLEMENTATIONS = ("auto", "eager", "compiled", "kernel", "triton")
 DYNAMIC_INITS = ("authors", "normal")
-# Names added with `dcmha.DCMHAInterface.register` (a user's own backends): valid values too.
-REGISTERED_IMPLEMENTATIONS: set[str] = set()
 
 
 def check_attn_implementation(value: str, dcmha_implementation: str | None = None) -> str:
     """`attn_implementation` for DCFormer is `dcmha_implementation` under transformers' name: returns `value` when it
     is a DCMHA implementation, else a ValueError that says why transformers' attention functions cannot be used.
     `dcmha_implementation`: a value given with it, which must agree."""
-    known = (*DCMHA_IMPLEMENTATIONS, *sorted(REGISTERED_IMPLEMENTATIONS))
+    known = implementation_names()  # the DCMHA registry's names, built-in and registered
     if value in known:
         if dcmha_implementation is not None and dcmha_implementation != value:
             raise ValueError(
@@ -255,7 +253,7 @@ class DCFormerConfig(PreTrainedConfig):
                     f"({self.max_position_embeddings}): a local layer would be global; use window_size=None"
                 )
         parse_window_type(self.window_type, 1)  # validates the pattern even when no layer is local
-        known = (*DCMHA_IMPLEMENTATIONS, *sorted(REGISTERED_IMPLEMENTATIONS))
+        known = implementation_names()  # the DCMHA registry's names, built-in and registered
         if self.dcmha_implementation not in known:
             raise ValueError(f"dcmha_implementation must be one of {known}, got {self.dcmha_implementation!r}")
 

@@ -15,13 +15,14 @@ import hashlib
 import os
 import platform
 import shutil
+import tempfile
 import threading
 from pathlib import Path
 
 import torch
 from transformers.utils import logging
 
-from .dcmha import DCMHABackend, DCMHAInputs, join_chunks
+from .dcmha_base import DCMHABackend, DCMHAInputs, join_chunks
 
 logger = logging.get_logger(__name__)
 
@@ -97,7 +98,8 @@ class CPUKernelBackend(DCMHABackend):
 
     def load(self) -> None:
         """Build (unless a verified build is cached) and load the operator. Raises RuntimeError with the reason; the
-        failure is remembered, so that later calls fail at once."""
+        failure is remembered and logged once as a warning (so that "auto", which then does without the kernel,
+        says so), and later calls fail at once."""
         with self._lock:
             if self.loaded:
                 return
@@ -106,11 +108,20 @@ class CPUKernelBackend(DCMHABackend):
             try:
                 self._load()
             except Exception as err:  # noqa: BLE001  (any build failure: the backend is unavailable here)
-                if not any(self.build_dir(compiler() or "").glob("*.so")):
-                    shutil.rmtree(self.build_dir(compiler() or ""), ignore_errors=True)  # no half-built folder stays
                 self.failure = f"it cannot be built here ({type(err).__name__}: {str(err)[-1500:]})"
+                logger.warning(f'DCMHA "{self.name}" {self.failure}; dcmha_implementation="auto" does without it')
                 raise RuntimeError(self.failure) from err
             self.loaded = True
+
+    def _verified_library(self, folder: Path) -> Path | None:
+        """The folder's library if its stamp matches it (a complete build), else None."""
+        library, stamp = folder / f"{folder.name}.so", folder / STAMP
+        try:
+            if stamp.read_text().strip() == file_sha256(library):
+                return library
+        except OSError:  # missing, or the folder is not a folder
+            pass
+        return None
 
     def _load(self) -> None:
         cxx = compiler()
@@ -119,32 +130,51 @@ class CPUKernelBackend(DCMHABackend):
         if not self.source.is_file():
             raise RuntimeError(f"the kernel's source {self.source} is missing (a broken installation?)")
         folder = self.build_dir(cxx)
-        library = folder / f"{folder.name}.so"
-        stamp = folder / STAMP
-        if stamp.is_file() and library.is_file() and stamp.read_text().strip() == file_sha256(library):
-            torch.ops.load_library(str(library))
-            register_fake()
-            return
-        if folder.exists():
-            logger.warning(f"the DCMHA CPU kernel cached in {folder} is incomplete or corrupt: rebuilding it")
-            shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True, exist_ok=True)
-        logger.info(f"building the DCMHA CPU kernel into {folder} (once; about 30 s)")
-        from torch.utils import cpp_extension
+        library = self._verified_library(folder)
+        if library is None:
+            root = folder.parent
+            if root.exists() and not root.is_dir():
+                raise RuntimeError(f"the kernel cache {root} ($DCFORMER_CACHE) is a file, not a folder")
+            root.mkdir(parents=True, exist_ok=True)
+            from filelock import FileLock
 
-        os.environ.setdefault("CXX", cxx)
-        cpp_extension.load(
-            name=folder.name,
-            sources=[str(self.source)],
-            extra_cflags=CFLAGS,
-            build_directory=str(folder),
-            is_python_module=False,
-            verbose=False,
-        )
-        tmp = stamp.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(file_sha256(library) + "\n")
-        os.replace(tmp, stamp)  # written last: a library without its stamp is never trusted
+            # one build per cache entry at a time; the others wait, then load what it built
+            with FileLock(str(root / f"{folder.name}.lock"), timeout=1800):
+                library = self._verified_library(folder)
+                if library is None:
+                    self._build(folder, cxx)  # builds and loads
+        if library is not None:
+            torch.ops.load_library(str(library))
         register_fake()
+
+    def _build(self, folder: Path, cxx: str) -> None:
+        """Build and load the library in a private folder beside `folder`, stamp it, then move it into place (the
+        caller holds the folder's lock): concurrent builds never share a folder, and the cache entry appears whole
+        or not at all. A folder that holds no verified build, or a file in its place, is replaced."""
+        if folder.exists() or folder.is_symlink():
+            logger.warning(f"the DCMHA CPU kernel cached in {folder} is incomplete or corrupt: rebuilding it")
+        private = Path(tempfile.mkdtemp(prefix=f"{folder.name}.build-", dir=folder.parent))
+        try:
+            logger.info(f"building the DCMHA CPU kernel into {folder} (once; about 30 s)")
+            from torch.utils import cpp_extension
+
+            os.environ.setdefault("CXX", cxx)
+            cpp_extension.load(
+                name=folder.name,
+                sources=[str(self.source)],
+                extra_cflags=CFLAGS,
+                build_directory=str(private),
+                is_python_module=False,
+                verbose=False,
+            )
+            (private / STAMP).write_text(file_sha256(private / f"{folder.name}.so") + "\n")
+            if folder.is_symlink() or folder.is_file():
+                folder.unlink()
+            elif folder.exists():
+                shutil.rmtree(folder)
+            os.replace(private, folder)  # the stamped build appears whole, or not at all
+        finally:
+            shutil.rmtree(private, ignore_errors=True)  # a failed build leaves nothing behind
 
     # -- the interface -------------------------------------------------------------------------------------------
     def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:

@@ -9,8 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.fx.experimental._config
 
-from . import dcmha
-from .dcmha import DCMHAInputs
+from .dcmha_base import DCMHAInputs, compile_supported
 from .dcmha_eager import EagerBackend, stage_apply, stage_hidden
 
 
@@ -74,7 +73,7 @@ class CompiledBackend(EagerBackend):
     def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
         if self.failure is not None:
             return self.failure
-        if not dcmha.compile_supported(inputs.query.device):
+        if not compile_supported(inputs.query.device):
             return f"torch.compile cannot generate code for {inputs.query.device.type} here"
         return None
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .dcmha import DCMHABackend, DCMHAInputs, join_chunks, packed, visible_keys
+from .dcmha_base import DCMHABackend, DCMHAChunk, DCMHAInputs, join_chunks, packed, visible_keys
 
 
 def compose_hidden(
@@ -94,31 +94,24 @@ def stage_apply(
 EAGER_STAGES = (stage_hidden, stage_apply)
 
 
-def chunk_probabilities(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    query_terms: torch.Tensor | None,
-    key_terms: torch.Tensor | None,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    window_size: int | None,
-    masked: bool,
-    rank: int,
-    num_groups: int,
-    stages: tuple = EAGER_STAGES,
-) -> torch.Tensor:
+def chunk_visible_keys(chunk: DCMHAChunk) -> torch.Tensor:
+    return visible_keys(chunk.query_pos, chunk.key_pos, chunk.window_size, chunk.key_padding_mask)
+
+
+def chunk_probabilities(chunk: DCMHAChunk, stages: tuple = EAGER_STAGES) -> torch.Tensor:
     """The attention probabilities [B, N, c, s] (fp32) of one chunk of queries against the keys it may see: q.k,
-    Compose (pre slot), mask, softmax, Compose (post slot); keys a query cannot see get 0. Arguments as in
-    `attend_chunk`."""
+    Compose (pre slot), mask, softmax, Compose (post slot); keys a query cannot see get 0 (`chunk.value` unused).
+    `stages`: (stage_hidden, stage_apply), or their compiled versions."""
+    q, k = chunk.query, chunk.key
     B, N, c, Dh = q.shape
     s = k.shape[2]
     scale = Dh**-0.5
-    pre_fill = torch.finfo(torch.float32).min if masked else None
+    pre_fill = torch.finfo(torch.float32).min if chunk.masked else None
     # without padding, masked keys come out of the softmax as exact zeros and Compose keeps them zero
-    post_fill = 0.0 if key_padding_mask is not None else None
-    if query_terms is None:  # plain multi-head attention (use_dcmha=False)
-        allowed = visible_keys(q_pos, k_pos, window_size, key_padding_mask) if masked else None
+    post_fill = 0.0 if chunk.key_padding_mask is not None else None
+    mask = (chunk.query_pos, chunk.key_pos, chunk.key_padding_mask, chunk.window_size)
+    if chunk.query_terms is None:  # plain multi-head attention (use_dcmha=False)
+        allowed = chunk_visible_keys(chunk) if chunk.masked else None
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
         if allowed is not None:
             scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
@@ -127,8 +120,9 @@ def chunk_probabilities(
             probs = probs.masked_fill(~allowed, post_fill)
         return probs
     hidden_fn, apply_fn = stages
-    G, M = num_groups, N // num_groups
-    mask = (q_pos, k_pos, key_padding_mask, window_size)
+    G, rank = chunk.num_groups, chunk.rank
+    M = N // G
+    query_terms, key_terms = chunk.query_terms, chunk.key_terms
     # each slot copied to standard strides: the compiled stages see no strides to specialise on
     pre_q, post_q = packed(query_terms[:, :, 0]), packed(query_terms[:, :, 1])
     pre_k = None if key_terms is None else packed(key_terms[:, :, 0])
@@ -141,33 +135,15 @@ def chunk_probabilities(
     return apply_fn(probs, post_q, post_k, *hidden, *mask, 1.0, post_fill, rank)
 
 
-def attend_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    query_terms: torch.Tensor | None,
-    key_terms: torch.Tensor | None,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    window_size: int | None,
-    masked: bool,
-    rank: int,
-    num_groups: int,
-    stages: tuple = EAGER_STAGES,
-) -> torch.Tensor:
-    """DCMHA of one chunk of queries against the keys it may see: `chunk_probabilities`, then @ v. q [B, N, c, Dh],
-    k and v [B, N, s, Dh]; query_terms [B, G, 2, 2I+1, M, c] and key_terms [B, G, 2, 2I+1, M, s] (slots pre, post;
-    time last) or None; q_pos [c], k_pos [s] absolute positions; key_padding_mask [B, s] bool or None; `masked`:
-    whether some query of the chunk cannot see some key (False for a decode step without padding: no mask is
-    applied). `stages`: (stage_hidden, stage_apply), or their compiled versions. Returns the output [B, c, N, Dh]
-    (output_attentions calls use `chunk_probabilities` directly: `EagerBackend.attend_with_probabilities`)."""
-    if query_terms is None:  # plain attention: SDPA's fused kernel (rows with no visible key: 0)
-        allowed = visible_keys(q_pos, k_pos, window_size, key_padding_mask) if masked else None
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
-    args = (q_pos, k_pos, key_padding_mask, window_size, masked, rank, num_groups, stages)
-    probs = chunk_probabilities(q, k, query_terms, key_terms, *args)
-    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+def attend_chunk(chunk: DCMHAChunk, stages: tuple = EAGER_STAGES) -> torch.Tensor:
+    """DCMHA of one chunk of queries against the keys it may see: `chunk_probabilities`, then @ v. Returns the
+    output [B, c, N, Dh] (output_attentions calls use `chunk_probabilities` directly:
+    `EagerBackend.attend_with_probabilities`)."""
+    if chunk.query_terms is None:  # plain attention: SDPA's fused kernel (rows with no visible key: 0)
+        allowed = chunk_visible_keys(chunk) if chunk.masked else None
+        return F.scaled_dot_product_attention(chunk.query, chunk.key, chunk.value, attn_mask=allowed).transpose(1, 2)
+    probs = chunk_probabilities(chunk, stages)
+    return torch.matmul(probs.to(chunk.value.dtype), chunk.value).transpose(1, 2)
 
 
 class EagerBackend(DCMHABackend):
@@ -193,11 +169,11 @@ class EagerBackend(DCMHABackend):
             return self.attend_with_probabilities(inputs, spans)
         outputs = []
         for span in spans:
-            args = (*self.chunk_arguments(inputs, span, with_values=True), self.stages)
+            chunk = inputs.chunk(span)
             if recompute:
-                outputs.append(torch.utils.checkpoint.checkpoint(attend_chunk, *args, use_reentrant=False))
+                outputs.append(torch.utils.checkpoint.checkpoint(attend_chunk, chunk, self.stages, use_reentrant=False))
             else:
-                outputs.append(attend_chunk(*args))
+                outputs.append(attend_chunk(chunk, self.stages))
         return join_chunks(outputs), None
 
     def attend_with_probabilities(self, inputs: DCMHAInputs, spans: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +183,7 @@ class EagerBackend(DCMHABackend):
         _, _, _, S, _ = inputs.shapes
         rows = []
         for span in spans:
-            probs = chunk_probabilities(*self.chunk_arguments(inputs, span, with_values=False), self.stages)
+            probs = chunk_probabilities(inputs.chunk(span, with_values=False), self.stages)
             _, _, s0, s1 = span
             rows.append(F.pad(probs, (s0, S - s1)))
         probs = rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
@@ -218,26 +194,5 @@ class EagerBackend(DCMHABackend):
         ]
         return join_chunks(outputs), probs
 
-    @staticmethod
-    def chunk_arguments(inputs: DCMHAInputs, span: tuple, with_values: bool) -> tuple:
-        """The arguments of `attend_chunk` (with the values) or `chunk_probabilities` for the chunk `span`, up to
-        `num_groups`."""
-        t0, t1, s0, s1 = span
-        device = inputs.query.device
-        qt, kt = inputs.time_last_terms()
-        pad = inputs.key_padding_mask
-        values = (inputs.value[:, :, s0:s1],) if with_values else ()
-        return (
-            inputs.query[:, :, t0:t1],
-            inputs.key[:, :, s0:s1],
-            *values,
-            None if qt is None else qt[..., t0:t1],
-            None if kt is None else kt[..., s0:s1],
-            torch.arange(inputs.query_start + t0, inputs.query_start + t1, device=device),
-            torch.arange(inputs.key_start + s0, inputs.key_start + s1, device=device),
-            None if pad is None else packed(pad[:, s0:s1]),
-            inputs.window_size,
-            inputs.chunk_is_masked(t0, t1, s0, s1),
-            inputs.rank,
-            inputs.num_groups,
-        )
+
+EAGER = EagerBackend()

@@ -186,17 +186,42 @@ class DynamicWeightProjection(nn.Module):
             "dd": math.sqrt(2 / (D + M)) * 0.005,
         }
 
+    def input_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """dw1 and dd as one nn.Linear-style weight [G*C*K + G*C*M, D] (contiguous, in `dtype`): x's two products
+        become one GEMM whose weight is laid out as oneDNN/MKL's fast path wants it (the half-precision product
+        `x @ dw1.view(D, -1)` is 20x slower on CPU: docs/performance.md). Where no gradient is recorded, the copy
+        is kept and reused until a parameter changes (in-place updates bump its version; `.to()` replaces it)."""
+        D = self.dw1.shape[0]
+        fused = lambda: torch.cat((self.dw1.view(D, -1), self.dd.view(D, -1)), dim=1).t()  # noqa: E731
+        records_grad = torch.is_grad_enabled() and (self.dw1.requires_grad or self.dd.requires_grad)
+        if records_grad or torch.compiler.is_compiling():
+            return fused().to(dtype).contiguous()
+        key = (self.dw1.data_ptr(), self.dw1._version, self.dd.data_ptr(), self.dd._version, dtype, self.dw1.device)
+        cached = self.__dict__.get("_input_weight")
+        if cached is None or cached[0] != key:
+            # a normal tensor even under inference_mode: a later call with grad enabled may save it for backward
+            with torch.inference_mode(False), torch.no_grad():
+                weight = fused().to(dtype).contiguous()
+            self.__dict__["_input_weight"] = cached = (key, weight)
+        return cached[1]
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_input_weight", None)  # parameters moved or cast: the fused copy is rebuilt on use
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         G, C, I, M = self.num_groups, self.num_slots, self.rank, self.heads_per_group
         K = self.dw1.shape[-1]
-        # plain matrix products (einsum's dispatch costs more than the products at a decode step)
-        h = F.gelu(x.reshape(B * T, D) @ self.dw1.to(x.dtype).view(D, G * C * K))  # [BT, GCK]
+        # one GEMM for both products of x (nn.Linear's layout); bmm for the per-slot second layer (einsum's
+        # dispatch costs more than the products at a decode step)
+        h, diag = F.linear(x.reshape(B * T, D), self.input_weight(x.dtype)).split((G * C * K, G * C * M), dim=1)
+        h = F.gelu(h)  # [BT, GCK]
         w = torch.bmm(h.view(B * T, G * C, K).transpose(0, 1), self.qkw.to(x.dtype).view(G * C, K, 2 * I * M))
         w = w.transpose(0, 1).reshape(B, T, G, C, 2 * I, M).float()  # [B, T, G, C, 2I, M]
         w1, w2 = w[..., :I, :], w[..., I:, :]
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + DW_RMS_EPS)
-        diag = torch.tanh((x.reshape(B * T, D) @ self.dd.to(x.dtype).view(D, G * C * M)).float())
+        diag = torch.tanh(diag.float())
         return torch.cat((w1, w2, diag.view(B, T, G, C, 1, M)), dim=4)
 
 
@@ -492,6 +517,22 @@ def positions_from_padding(attention_mask: torch.Tensor, past_length: int, lengt
     return positions[:, past_length : past_length + length]
 
 
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """One clear error for a token id outside the embedding table (the embedding would say "index out of range in
+    self", or on CUDA fail asynchronously). Two reductions: cheap next to a forward pass; skipped under
+    torch.compile and torch.export, whose graphs cannot branch on values."""
+    if input_ids.numel() == 0:
+        return
+    low, high = torch.aminmax(input_ids)
+    low, high = int(low), int(high)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"input_ids contains the token id {bad}, outside the model's vocabulary of {vocab_size} tokens "
+            f"(valid ids: 0..{vocab_size - 1}); was the text encoded with another model's tokenizer?"
+        )
+
+
 class DCFormerModel(DCFormerPreTrainedModel):
     def __init__(self, config: DCFormerConfig):
         super().__init__(config)
@@ -539,6 +580,8 @@ class DCFormerModel(DCFormerPreTrainedModel):
             logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing; using use_cache=False.")
             use_cache = False
         if inputs_embeds is None:
+            if not torch.compiler.is_compiling():
+                check_token_ids(input_ids, self.embed_tokens.num_embeddings)
             inputs_embeds = self.embed_tokens(input_ids)
         B, T = inputs_embeds.shape[:2]
         device = inputs_embeds.device

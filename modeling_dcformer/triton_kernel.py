@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .dcmha import DCMHABackend, DCMHAInputs
+from .dcmha_base import DCMHABackend, DCMHAInputs
 
 MAX_RANK = 8  # dynamic_rank supported by the kernels
 

@@ -168,7 +168,6 @@ def spy_backend(monkeypatch):
     DCMHAInterface.register("spy", spy)
     yield calls
     DCMHAInterface._global_mapping.pop("spy", None)
-    dcmha.configuration_dcformer.REGISTERED_IMPLEMENTATIONS.discard("spy")
 
 
 def test_attn_implementation_chooses_the_dcmha_implementation_by_every_route(tmp_path, spy_backend):

@@ -100,9 +100,9 @@ def test_local_layer_never_builds_a_full_sequence_tensor(window, monkeypatch):
     widths = []
     real = dcmha_eager.attend_chunk
 
-    def spy(q, k, v, qt, kt, q_pos, k_pos, *args):
-        widths.append((k.shape[2], k_pos.shape[0]))  # the keys and the mask's width (computed from k_pos)
-        return real(q, k, v, qt, kt, q_pos, k_pos, *args)
+    def spy(chunk, stages):
+        widths.append((chunk.key.shape[2], chunk.key_pos.shape[0]))  # the keys and the mask's width (from key_pos)
+        return real(chunk, stages)
 
     monkeypatch.setattr(dcmha_eager, "attend_chunk", spy)
     model = make_model(
@@ -121,9 +121,9 @@ def test_local_layer_chunks_stay_near_the_window_band(monkeypatch):
     shapes = []
     real = dcmha_eager.attend_chunk
 
-    def spy(q, k, *args):
-        shapes.append((q.shape[2], k.shape[2]))
-        return real(q, k, *args)
+    def spy(chunk, stages):
+        shapes.append((chunk.query.shape[2], chunk.key.shape[2]))
+        return real(chunk, stages)
 
     monkeypatch.setattr(dcmha_eager, "attend_chunk", spy)
     model = make_model(

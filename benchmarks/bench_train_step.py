@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""A training step of DCFormer against the Transformer of `examples/compare_small.py --task lm`, on CPU.
+
+The shapes are compare_small's language-modelling study (docs/evidence.md): 3 layers, hidden 128/256/512 with 4/8/8
+heads, MLP 4x hidden, vocabulary 2048, batch 16 x 128 tokens, the Pythia body (LayerNorm, parallel residual, GELU,
+biases, rotary on a quarter of the head). The Transformer is `GPTNeoXForCausalLM` with SDPA, its MLP widened to
+DCFormer's parameter count when they differ by more than 2% (compare_small's `--param-match auto`). Both models are
+built here from these shapes (this script does not import examples/).
+
+One step = forward with the loss on every token, backward, AdamW step (lr 3e-3, betas 0.9/0.95, weight decay 0.1),
+zero_grad. Both models live in one process on `--threads` torch threads (default 1); after `--warmup` steps each,
+`--repeats` steps of each run interleaved (A B B A ...), and the medians are compared. Prints, per size, both
+medians and DCFormer/Transformer (the time ratio: 2.0 means DCFormer trains at half the Transformer's throughput).
+`--profile` prints torch.profiler's top ops of one DCFormer step per size.
+
+    python benchmarks/bench_train_step.py                    # the three sizes
+    python benchmarks/bench_train_step.py --sizes 128/4 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+
+VOCAB, LAYERS, MAX_PARAM_GAP = 2048, 3, 0.02
+
+
+def configs(hidden: int, heads: int, block: int, dc_overrides: dict) -> tuple[GPTNeoXConfig, DCFormerConfig]:
+    """compare_small's `make_configs` + `matched_configs` for the Pythia body (param_match "auto")."""
+    common = dict(
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=heads,
+        max_position_embeddings=block, layer_norm_eps=1e-5, hidden_act="gelu", initializer_range=0.02,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    dc = DCFormerConfig(
+        **common, intermediate_size=4 * hidden, partial_rotary_factor=0.25, norm_type="layernorm",
+        use_parallel_residual=True, use_gated_mlp=False, attention_bias=True, mlp_bias=True, use_dcmha=True,
+        use_qk_norm=False, window_size=None, **dc_overrides,
+    )  # fmt: skip
+
+    def neox(intermediate: int) -> GPTNeoXConfig:
+        cfg = GPTNeoXConfig(
+            **common, intermediate_size=intermediate, rotary_pct=0.25, rotary_emb_base=10000,
+            use_parallel_residual=True, attention_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
+        )  # fmt: skip
+        cfg._attn_implementation = "sdpa"
+        return cfg
+
+    def count(cls, cfg) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in cls(cfg).parameters())
+
+    base = neox(4 * hidden)
+    n_neox, n_dc = count(GPTNeoXForCausalLM, base), count(DCFormerForCausalLM, dc)
+    if abs(n_dc - n_neox) / n_neox > MAX_PARAM_GAP:
+        base = neox(4 * hidden + round((n_dc - n_neox) / (LAYERS * (2 * hidden + 1))))
+    return base, dc
+
+
+def make_step(model: torch.nn.Module, ids: torch.Tensor):
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed(step) -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def top_ops(step, rows: int) -> str:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    lines = [f"    total {total / 1e3:.1f} ms (self CPU time of all ops)"]
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:rows]:
+        lines.append(f"    {e.key:<44} {e.count:>6} calls {e.self_cpu_time_total / 1e3:>9.2f} ms "
+                     f"{100 * e.self_cpu_time_total / total:>5.1f}%")
+    return "\n".join(lines)
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for item in text.split(","):
+        try:
+            hidden, heads = (int(x) for x in item.split("/"))
+        except ValueError:
+            raise SystemExit(f"--sizes: {item!r} is not HIDDEN/HEADS (e.g. 128/4)") from None
+        sizes.append((hidden, heads))
+    return sizes
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=parse_sizes, default=parse_sizes("128/4,256/8,512/8"), help="HIDDEN/HEADS,...")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dc-overrides", default="", help="DCFormerConfig options, e.g. attention_recompute=false")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--rows", type=int, default=20)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    overrides = {}
+    for item in filter(None, args.dc_overrides.split(",")):
+        key, _, value = item.partition("=")
+        overrides[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    print(f"training step (fwd+bwd+AdamW), batch {args.batch_size} x {args.block_size} tokens, {LAYERS} layers, "
+          f"vocab {VOCAB}, {args.threads} thread(s), median of {args.repeats} interleaved (shared machine: noisy)")
+    print(f"{'size':>8} {'Transformer ms':>15} {'DCFormer ms':>12} {'DC/T':>6}")
+    for hidden, heads in args.sizes:
+        neox_cfg, dc_cfg = configs(hidden, heads, args.block_size, overrides)
+        torch.manual_seed(0)
+        ids = torch.randint(0, VOCAB, (args.batch_size, args.block_size), generator=torch.Generator().manual_seed(1))
+        steps = {
+            "transformer": make_step(GPTNeoXForCausalLM(neox_cfg), ids),
+            "dcformer": make_step(DCFormerForCausalLM(dc_cfg), ids),
+        }
+        for _ in range(args.warmup):
+            for step in steps.values():
+                step()
+        times = {kind: [] for kind in steps}
+        for r in range(args.repeats):
+            for kind in (("transformer", "dcformer") if r % 2 == 0 else ("dcformer", "transformer")):
+                times[kind].append(timed(steps[kind]))
+        t, d = statistics.median(times["transformer"]), statistics.median(times["dcformer"])
+        print(f"{hidden:>4}/{heads:<3} {t * 1e3:>15.1f} {d * 1e3:>12.1f} {d / t:>6.2f}", flush=True)
+        if args.profile:
+            for kind, step in steps.items():
+                print(f"  profile of one {kind} step:\n{top_ops(step, args.rows)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,267 @@
+"""What every DCMHA implementation shares: the inputs of an attention call (`DCMHAInputs`) and of one chunk of it
+(`DCMHAChunk`), the backend base class (`DCMHABackend`), the registry of implementations (`DCMHAInterface`, whose
+names are the valid values of `DCFormerConfig.dcmha_implementation`), and the chunk and mask helpers.
+
+The backends import this module; `dcmha.py` imports the backends and holds the dispatch (`dcmha_attention`) and the
+"auto" rule. Nothing here imports a backend, so there is no import cycle.
+"""
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from transformers.utils import logging
+from transformers.utils.generic import GeneralInterface
+
+logger = logging.get_logger(__name__)
+
+# The built-in implementations, in the order "auto" and the docs list them; "auto" is the rule that chooses one.
+BUILT_IN_IMPLEMENTATIONS = ("eager", "compiled", "kernel", "triton")
+# Local layers take chunks of at most max(LOCAL_CHUNK_MIN, window // 2) queries: a chunk of c queries touches
+# c + window - 1 keys, so the scores computed are within 1.5x of the window band (3x with c = 512, window 256).
+LOCAL_CHUNK_MIN = 64
+
+
+class DCMHAChunk(NamedTuple):
+    """One chunk of queries against the keys it may see: what `dcmha_eager.attend_chunk` (and
+    `chunk_probabilities`, which ignores `value`) computes. A NamedTuple, so that `torch.utils.checkpoint` and the
+    compiled stages see plain tensors.
+
+    query [B, N, c, Dh]; key, value [B, N, s, Dh] (value None where only the probabilities are wanted);
+    query_terms [B, G, 2, 2I+1, M, c], key_terms [B, G, 2, 2I+1, M, s] (slots pre, post; time last) or None;
+    query_pos [c], key_pos [s]: absolute positions; key_padding_mask [B, s] bool or None; masked: whether some query
+    of the chunk cannot see some key (False for a decode step without padding: no mask is applied)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor | None
+    query_terms: torch.Tensor | None
+    key_terms: torch.Tensor | None
+    query_pos: torch.Tensor
+    key_pos: torch.Tensor
+    key_padding_mask: torch.Tensor | None
+    window_size: int | None
+    masked: bool
+    rank: int
+    num_groups: int
+
+
+@dataclass
+class DCMHAInputs:
+    """One causal (optionally windowed) DCMHA call.
+
+    query [B, N, T, Dh]; key, value [B, N, S, Dh].
+    query_terms [B, T, G, 2, 2I+1, M]: the queries' factors of the slots (pre, post), rows w1, w2, dd
+        (`DynamicWeightProjection`'s packing), or None: plain multi-head attention (use_dcmha=False).
+    key_terms [B, S, G, 2, 2I+1, M] or None (query-wise or plain).
+    query_start, key_start: absolute token index (past tokens included) of the first query and the first key; the
+        queries are consecutive tokens, and so are the keys. A query at index i sees a key at index j when j <= i,
+        j > i - window_size on a local layer, and the key is not padding (key_padding_mask [B, S] bool, True for
+        real tokens, or None).
+    chunk_size: queries per chunk for the backends that work in chunks (local layers use smaller ones).
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    query_terms: torch.Tensor | None
+    key_terms: torch.Tensor | None
+    query_start: int
+    key_start: int
+    key_padding_mask: torch.Tensor | None
+    window_size: int | None
+    rank: int
+    num_groups: int
+    chunk_size: int
+    _time_last: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def shapes(self) -> tuple[int, int, int, int, int]:
+        """(B, N, T, S, Dh)."""
+        B, N, T, Dh = self.query.shape
+        return B, N, T, self.key.shape[2], Dh
+
+    @property
+    def composed(self) -> bool:
+        return self.query_terms is not None
+
+    @property
+    def plain_causal(self) -> bool:
+        """Every query sees exactly the keys up to itself (no window, no padding, queries are the keys or one query):
+        plain causal attention needs no mask."""
+        _, _, T, S, _ = self.shapes
+        if self.window_size is not None or self.key_padding_mask is not None:
+            return False
+        return T == 1 or (T == S and self.query_start == self.key_start)
+
+    @property
+    def queries_per_chunk(self) -> int:
+        if self.window_size is None:
+            return self.chunk_size
+        return min(self.chunk_size, max(LOCAL_CHUNK_MIN, self.window_size // 2))
+
+    @property
+    def num_scores(self) -> int:
+        """Scores the call's chunks compute in all (batch x heads x queries x keys each chunk sees): what "auto"
+        weighs. The batch counts: a training batch of 16 short rows is as much elementwise work as one long row."""
+        B, N, T, S, _ = self.shapes
+        keys = S if self.window_size is None else min(S, self.queries_per_chunk + self.window_size - 1)
+        return B * N * T * keys
+
+    def tensors(self) -> tuple:
+        return (self.query, self.key, self.value, self.query_terms, self.key_terms)
+
+    def needs_grad(self) -> bool:
+        """Whether autograd records this call (some input requires a gradient and grad mode is on)."""
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in self.tensors())
+
+    @property
+    def symbolic_lengths(self) -> bool:
+        """Whether the lengths or start indices are symbolic (torch.export's dynamic dims, torch.compile's dynamic
+        shapes): then the number of chunks cannot depend on them."""
+        _, _, T, S, _ = self.shapes
+        return not all(isinstance(n, int) for n in (T, S, self.query_start, self.key_start))
+
+    def chunk_spans(self) -> list[tuple[int, int, int, int]]:
+        """(t0, t1, s0, s1) for each chunk of queries: queries [t0, t1) and the keys [s0, s1) they can see (indices
+        into the call's queries and keys). With symbolic lengths, one chunk: every query against every key, masked."""
+        _, _, T, S, _ = self.shapes
+        if self.symbolic_lengths:
+            return [(0, T, 0, S)]
+        spans = []
+        for t0 in range(0, T, self.queries_per_chunk):
+            t1 = min(T, t0 + self.queries_per_chunk)
+            first, last = self.query_start + t0, self.query_start + t1 - 1  # absolute indices of the queries
+            s1 = min(S, last - self.key_start + 1)
+            s0 = 0 if self.window_size is None else max(0, first - self.window_size + 1 - self.key_start)
+            spans.append((t0, t1, s0, s1))
+        return spans
+
+    def chunk_is_masked(self, t0: int, t1: int, s0: int, s1: int) -> bool:
+        """Whether some query of the chunk cannot see some key of [s0, s1) (padding counts; with symbolic lengths,
+        always: the chunk is the whole call)."""
+        if self.key_padding_mask is not None or self.symbolic_lengths:
+            return True
+        first, last = self.query_start + t0, self.query_start + t1 - 1
+        sees_all = self.key_start + s1 - 1 <= first and (
+            self.window_size is None or self.key_start + s0 > last - self.window_size
+        )
+        return not sees_all
+
+    def time_last_terms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The factors with time last and contiguous: [B, G, 2, 2I+1, M, T] and [B, G, 2, 2I+1, M, S] (or None).
+        Computed once per call (a plain attribute, not functools.cached_property, whose lock torch.compile cannot
+        trace)."""
+        if self._time_last is None:
+            self._time_last = (time_last(self.query_terms), time_last(self.key_terms))
+        return self._time_last
+
+    def chunk(self, span: tuple[int, int, int, int], with_values: bool = True) -> DCMHAChunk:
+        """The chunk `span` = (t0, t1, s0, s1) of `chunk_spans`: queries [t0, t1) against keys [s0, s1)."""
+        t0, t1, s0, s1 = span
+        device = self.query.device
+        qt, kt = self.time_last_terms()
+        pad = self.key_padding_mask
+        return DCMHAChunk(
+            query=self.query[:, :, t0:t1],
+            key=self.key[:, :, s0:s1],
+            value=self.value[:, :, s0:s1] if with_values else None,
+            query_terms=None if qt is None else qt[..., t0:t1],
+            key_terms=None if kt is None else kt[..., s0:s1],
+            query_pos=torch.arange(self.query_start + t0, self.query_start + t1, device=device),
+            key_pos=torch.arange(self.key_start + s0, self.key_start + s1, device=device),
+            key_padding_mask=None if pad is None else packed(pad[:, s0:s1]),
+            window_size=self.window_size,
+            masked=self.chunk_is_masked(t0, t1, s0, s1),
+            rank=self.rank,
+            num_groups=self.num_groups,
+        )
+
+
+def time_last(terms: torch.Tensor | None) -> torch.Tensor | None:
+    """Composition factors [B, T, G, C, 2I+1, M] laid out time-last, [B, G, C, 2I+1, M, T] (contiguous)."""
+    return None if terms is None else terms.permute(0, 2, 3, 4, 5, 1).contiguous()
+
+
+def visible_keys(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window_size: int | None, key_padding_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """[1 or B, 1, c, s] bool: the query at absolute position q_pos[t] sees the key at k_pos[s] (causal, within the
+    window, and the key is a real token where key_padding_mask [B, s] is given)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window_size is not None:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window_size)
+    allowed = allowed[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]
+    return allowed
+
+
+def packed(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` with standard (row-major) strides (`.contiguous()` keeps odd strides on size-1 dims)."""
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def join_chunks(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' outputs [B, c, N, Dh] along the queries; a single chunk (a decode step) is returned as it is."""
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+class DCMHABackend:
+    """One implementation of DCMHA. Subclasses set `name`, implement `__call__`, and extend `why_not` with what they
+    cannot compute. A backend whose build or compilation fails records it with `record_failure`: from then on
+    `why_not` gives that reason, and "auto" does without it."""
+
+    name: str = "?"
+    failure: str | None = None
+
+    def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
+        return self.failure
+
+    def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
+        raise NotImplementedError
+
+    def record_failure(self, err: BaseException) -> None:
+        self.failure = f"it failed to build here ({type(err).__name__}: {str(err)[:300]})"
+        logger.warning(f'DCMHA "{self.name}" {self.failure}; dcmha_implementation="auto" does without it')
+
+
+class UnavailableBackend(DCMHABackend):
+    """A built-in backend whose module cannot be imported here (the kernels are not shipped as remote code)."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.failure = name, reason
+
+    def __call__(self, inputs, *, output_attentions=False, recompute=False):
+        raise ValueError(f'dcmha_implementation="{self.name}" is unavailable: {self.failure}')
+
+
+class DCMHAInterface(GeneralInterface):
+    """The registry of DCMHA implementations: name -> backend (the built-ins are added by `dcmha.py`).
+    `DCMHAInterface.register(name, backend)` adds one for every model of the process: the name becomes a valid
+    `dcmha_implementation` (`implementation_names`)."""
+
+    _global_mapping: dict = {}
+
+    @classmethod
+    def register(cls, key: str, value) -> None:
+        if key == "auto":
+            raise ValueError('"auto" is the selection rule, not a backend: register under another name')
+        super().register(key, value)
+
+
+def implementation_names() -> tuple[str, ...]:
+    """The valid values of `dcmha_implementation`: "auto", the built-ins, then the names registered since."""
+    registered = [name for name in DCMHAInterface._global_mapping if name not in BUILT_IN_IMPLEMENTATIONS]
+    return ("auto", *BUILT_IN_IMPLEMENTATIONS, *registered)
+
+
+def compile_supported(device: torch.device) -> bool:
+    """Whether torch.compile's default backend can generate code for `device` here."""
+    if device.type == "cpu":
+        return any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
+    if device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    return False

@@ -1,0 +1,93 @@
+"""`DynamicWeightProjection` computes x's two products (with dw1 and dd) as one GEMM against a fused, transposed copy
+of the two weights (oneDNN's fast layout in half precision: docs/performance.md). Where no gradient is recorded the
+copy is kept; these tests prove that the kept copy never goes stale (an in-place update, a load, a cast, a move) and
+that training still gets the gradients of dw1 and dd. The numbers are checked against the spec's einsum form."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import build_model, make_config
+from modeling_dcformer.modeling_dcformer import DW_RMS_EPS
+
+
+def spec_terms(proj, x):
+    """The packed terms [B, T, G, C, 2I+1, M] from the spec (step 5), with einsum, in float64."""
+    x = x.double()
+    dw1, qkw, dd = proj.dw1.double(), proj.qkw.double(), proj.dd.double()
+    I, M, C = proj.rank, proj.heads_per_group, proj.num_slots
+    h = F.gelu(torch.einsum("btd,dgck->btgck", x, dw1))
+    w = torch.einsum("btgck,gckim->btgcim", h, qkw)
+    w1, w2 = w[..., :I, :], w[..., I:, :]
+    w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + DW_RMS_EPS)
+    diag = torch.tanh(torch.einsum("btd,dgn->btgn", x, dd)).unflatten(-1, (C, M)).unsqueeze(-2)
+    return torch.cat((w1, w2, diag), dim=-2)
+
+
+@pytest.fixture
+def proj():
+    return build_model(make_config(num_hidden_layers=1, num_head_groups=2)).model.layers[0].self_attn.dyn_w_proj
+
+
+def test_the_fused_product_matches_the_spec_and_follows_in_place_updates(proj):
+    x = torch.randn(2, 5, proj.dw1.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(proj(x).double(), spec_terms(proj, x), atol=1e-5, rtol=1e-5)
+        proj.dw1.mul_(-1.5)  # an optimizer step or load_state_dict: in place
+        proj.dd.add_(0.3)
+        torch.testing.assert_close(proj(x).double(), spec_terms(proj, x), atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        torch.testing.assert_close(proj(x).double(), spec_terms(proj, x), atol=1e-5, rtol=1e-5)
+        proj.dd.zero_()
+        torch.testing.assert_close(proj(x).double(), spec_terms(proj, x), atol=1e-5, rtol=1e-5)
+    proj.load_state_dict({k: torch.randn_like(v) for k, v in proj.state_dict().items()})
+    with torch.no_grad():
+        torch.testing.assert_close(proj(x).double(), spec_terms(proj, x), atol=1e-5, rtol=1e-5)
+    proj.dw1.data = proj.dw1.data * 2  # a new tensor in place of the old one
+    with torch.no_grad():
+        torch.testing.assert_close(proj(x).double(), spec_terms(proj, x), atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_and_casts(proj):
+    x = torch.randn(1, 3, proj.dw1.shape[0], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        proj(x)  # a float32 copy is kept
+        proj.to(torch.bfloat16)
+        out = proj(x.bfloat16())
+    assert out.dtype == torch.float32  # the terms are fp32 whatever the model dtype
+    torch.testing.assert_close(out.double(), spec_terms(proj, x.bfloat16()), atol=0.1, rtol=0.1)  # bf16 rounding
+    proj.__dict__.pop("_input_weight")
+    with torch.no_grad():
+        assert torch.equal(proj(x.bfloat16()), out)  # the same as a copy made afresh
+    assert proj.input_weight(torch.bfloat16).dtype == torch.bfloat16
+    assert proj.input_weight(torch.bfloat16).is_contiguous()
+
+
+def test_training_gets_the_gradients_of_dw1_and_dd(proj):
+    x = torch.randn(2, 4, proj.dw1.shape[0], generator=torch.Generator().manual_seed(2), requires_grad=True)
+    with torch.no_grad():
+        proj(x)  # a kept copy exists: training must not use it
+    proj(x).pow(2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in proj.named_parameters()} | {"x": x.grad.clone()}
+    proj.zero_grad()
+    x.grad = None
+    xd = x.detach().double().requires_grad_()
+    ref = {n: p.detach().double().requires_grad_() for n, p in proj.named_parameters()}
+    spec = spec_terms(type("P", (), dict(dw1=ref["dw1"], qkw=ref["qkw"], dd=ref["dd"], rank=proj.rank,
+                                         heads_per_group=proj.heads_per_group, num_slots=proj.num_slots)), xd)
+    spec.pow(2).sum().backward()
+    for name in ("dw1", "qkw", "dd"):
+        torch.testing.assert_close(grads[name].double(), ref[name].grad, atol=1e-4, rtol=1e-4, msg=name)
+    torch.testing.assert_close(grads["x"].double(), xd.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_frozen_weights_with_a_trainable_input_under_inference_built_copy(proj):
+    """A copy kept from an inference_mode call is a normal tensor: a later call with grad enabled (frozen
+    projection, an input that needs a gradient, as in adapter training) can save it for backward."""
+    x = torch.randn(1, 3, proj.dw1.shape[0], generator=torch.Generator().manual_seed(3))
+    proj.requires_grad_(False)
+    with torch.inference_mode():
+        proj(x)
+    x.requires_grad_(True)
+    proj(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0

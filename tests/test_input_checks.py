@@ -1,0 +1,45 @@
+"""Token ids outside the vocabulary are one clear error naming the id and the vocabulary size (issue 30, item 12):
+the embedding alone says "IndexError: index out of range in self". The legitimate neighbours (ids 0 and
+vocab_size - 1, an empty batch, inputs_embeds, a resized vocabulary) still run."""
+
+import pytest
+import torch
+
+from helpers import VOCAB, build_model, make_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(make_config(num_hidden_layers=1))
+
+
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 7, -1])
+def test_a_token_id_outside_the_vocabulary_is_named(model, bad):
+    ids = torch.tensor([[1, 2, bad, 3]])
+    with pytest.raises(ValueError, match=rf"token id {bad}, outside the model's vocabulary of {VOCAB} tokens"):
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match=rf"token id {bad}\b"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_the_first_and_last_ids_are_accepted(model):
+    ids = torch.tensor([[0, VOCAB - 1, 5]])
+    assert model(input_ids=ids).logits.shape == (1, 3, VOCAB)
+    embeds = model.get_input_embeddings()(ids)
+    torch.testing.assert_close(model(inputs_embeds=embeds).logits, model(input_ids=ids).logits)
+
+
+def test_the_check_follows_a_resized_vocabulary():
+    model = build_model(make_config(num_hidden_layers=1))
+    model.resize_token_embeddings(VOCAB + 8)
+    assert model(input_ids=torch.tensor([[VOCAB + 7]])).logits.shape[-1] == VOCAB + 8
+    with pytest.raises(ValueError, match=rf"token id {VOCAB + 8}, outside the model's vocabulary of {VOCAB + 8}"):
+        model(input_ids=torch.tensor([[VOCAB + 8]]))
+
+
+def test_the_check_is_left_out_of_compiled_graphs(model):
+    """Under torch.compile the check is skipped (a value-dependent branch would break the graph): fullgraph holds."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model.model, backend="eager", fullgraph=True)
+    out = compiled(input_ids=torch.tensor([[0, VOCAB - 1]]), use_cache=False)
+    assert out.last_hidden_state.shape == (1, 2, 32)
