@@ -346,7 +346,7 @@ class DCFormerConfig(PreTrainedConfig):
     @property
     def _attn_implementation(self) -> str:
         requested = self.__dict__.get("_attn_implementation_internal")
-        if requested is not None and requested not in (*DCMHA_IMPLEMENTATIONS, *REGISTERED_IMPLEMENTATIONS):
+        if requested is not None and requested not in implementation_names():
             return requested  # a request no DCMHA implementation answers, refused when a model is built
         return self.dcmha_implementation
 
