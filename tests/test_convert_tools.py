@@ -133,16 +133,18 @@ def test_provenance_of_a_hub_id_source(tmp_path):
     assert local["converted_from"] is None and local["converted_from_folder"] == tmp_path.name
 
 
-@pytest.mark.parametrize("tool", list(TOOLS))
-def test_fingerprint_tells_converted_weights_from_fine_tuned_ones(tool, neox, released, tmp_path, capsys):
+@pytest.mark.parametrize("tool, dtype", [("pythia", None), ("caiyun", None), ("caiyun", "bfloat16")])
+def test_fingerprint_tells_converted_weights_from_fine_tuned_ones(tool, dtype, neox, released, tmp_path, capsys):
     """`conversion.weights` is the fingerprint (weights_fingerprint) of the weights the conversion wrote: equal
     for the loaded model, different once a training step changed it (what a card needs before it says the model
     computes the source's function)."""
     from modeling_dcformer.model_card import weights_fingerprint
 
-    code, err = run_main(tool, argv(tool, source_of(tool, neox, released), tmp_path / "out"), capsys)
+    cast = ["--dtype", dtype] if dtype else []
+    code, err = run_main(tool, argv(tool, source_of(tool, neox, released), tmp_path / "out", *cast), capsys)
     assert code == 0, err
     model = DCFormerForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.dtype == getattr(torch, dtype or "float32")
     recorded = model.config.conversion["weights"]
     assert recorded.startswith("sha256:") and recorded == weights_fingerprint(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -331,3 +333,22 @@ def test_valid_index_is_read(neox, tmp_path, capsys):
     (neox / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     code, err = run_main("pythia", argv("pythia", neox, tmp_path / "out"), capsys)
     assert code == 0, err
+
+
+def test_fingerprint_of_a_mixed_dtype_checkpoint(tmp_path):
+    """Tensors stored in another dtype than the config's load cast to it: the fingerprint hashes them so cast."""
+    from safetensors.torch import save_file
+
+    from modeling_dcformer.model_card import weights_fingerprint
+
+    config = DCFormerConfig(vocab_size=64, hidden_size=24, num_hidden_layers=1, num_attention_heads=3,
+                            intermediate_size=48, tie_word_embeddings=True, dtype="float32")  # fmt: skip
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in DCFormerForCausalLM(config).state_dict().items() if k != "lm_head.weight"}
+    state["model.norm.weight"] = torch.randn(24).to(torch.float16)  # one tensor kept in half precision
+    (tmp_path / "m").mkdir()
+    save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(tmp_path / "m")
+    model = DCFormerForCausalLM.from_pretrained(tmp_path / "m")
+    assert model.dtype == torch.float32
+    assert common.checkpoint_fingerprint(tmp_path / "m", config) == weights_fingerprint(model)
