@@ -60,12 +60,13 @@ print(tokenizer.decode(output[0], skip_special_tokens=True))
 ```
 
 Anywhere else, the code stored beside the weights (`modeling_dcformer.py`, `configuration_dcformer.py`, ...) runs \
-instead (only torch and transformers needed), and `generate` works the same:
+instead (only torch and transformers needed), and `generate` works the same. The tokenizer needs no remote code, \
+but `AutoTokenizer` reads the model's config first, which names it: without `trust_remote_code=True` it would ask.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tokenizer = AutoTokenizer.from_pretrained("{{ model_id }}")
+tokenizer = AutoTokenizer.from_pretrained("{{ model_id }}", trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained("{{ model_id }}", trust_remote_code=True)
 ```
 

@@ -102,9 +102,20 @@ def saved(tmp_path_factory):
 
 ISOLATED_SCRIPT = textwrap.dedent(
     """
-    import importlib.util, json, sys
+    import importlib.abc, importlib.util, json, sys
     from pathlib import Path
-    report = {"spec": repr(importlib.util.find_spec("modeling_dcformer"))}
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        # the package may sit in the same site-packages as torch (`pip install .` into a venv): hidden from here
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "modeling_dcformer":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    sys.meta_path.insert(0, NotInstalled())
+    try:
+        report = {"spec": repr(importlib.util.find_spec("modeling_dcformer"))}
+    except ModuleNotFoundError:
+        report = {"spec": "None"}
     try:
         import modeling_dcformer  # noqa: F401
         report["importable"] = True
@@ -135,17 +146,26 @@ ISOLATED_SCRIPT = textwrap.dedent(
 )
 
 
+def isolated_paths(paths: list[str], checkout: str | os.PathLike) -> list[str]:
+    """`sys.path` without the checkout's source folders (the checkout itself and what pytest's `pythonpath` adds
+    under it, such as tests/ and examples/): the folders of torch, transformers and their dependencies stay, also a
+    venv's site-packages inside the checkout (`python -m venv .venv`, as the README says)."""
+    checkout = Path(checkout).resolve()
+
+    def is_source(path: Path) -> bool:
+        return path.is_relative_to(checkout) and not {"site-packages", "dist-packages"} & set(path.parts)
+
+    return [p for p in paths if p and os.path.isdir(p) and not is_source(Path(p).resolve())]
+
+
 @pytest.fixture(scope="module")
 def isolated(saved):
     """Runs ISOLATED_SCRIPT once over every saved directory: `python -S -s` (no site hooks, so not the editable
     install's finder; no user site, not the checkout) with PYTHONPATH holding only the directories of torch,
-    transformers and their dependencies, an empty HF_HOME and offline."""
+    transformers and their dependencies (`isolated_paths`), the package itself hidden, an empty HF_HOME and
+    offline."""
     root = next(iter(saved.values())).parent
-    paths = [
-        p for p in sys.path
-        if p and os.path.isdir(p) and not Path(p).resolve().is_relative_to(ROOT)
-        and not os.path.exists(os.path.join(p, "modeling_dcformer"))
-    ]
+    paths = isolated_paths(sys.path, ROOT)
     (root / "isolated.py").write_text(ISOLATED_SCRIPT)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root), "HF_HOME": str(root / "hf_home"),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -156,6 +176,18 @@ def isolated(saved):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root, json.loads((root / "report.json").read_text())
+
+
+def test_isolated_paths_keep_a_venv_inside_the_checkout(tmp_path):
+    """Issue 28 item 1: with the README's `python -m venv .venv` inside the clone, the isolated process must still
+    find torch (the fixture dropped every path under the checkout, so `make test` failed there)."""
+    checkout = tmp_path / "clone"
+    venv_site = checkout / ".venv" / "lib" / "python3.11" / "site-packages"
+    stdlib = tmp_path / "python" / "lib" / "python3.11"
+    for folder in (checkout / "tests", checkout / "examples", venv_site, stdlib):
+        folder.mkdir(parents=True)
+    paths = [str(checkout), str(checkout / "tests"), str(checkout / "examples"), str(stdlib), str(venv_site), ""]
+    assert isolated_paths(paths, checkout) == [str(stdlib), str(venv_site)]
 
 
 def test_saved_remote_code_carries_the_interface_but_no_kernel(saved):
@@ -242,6 +274,51 @@ def test_remote_code_can_be_left_out(tmp_path):
     assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
     ids = ids_for(TINY["vocab_size"])
     assert torch.equal(logits_of(load_native(tmp_path), ids), logits_of(model, ids))
+
+
+CARD_SNIPPET_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, sys, time
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "modeling_dcformer":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    sys.meta_path.insert(0, NotInstalled())
+    start = time.monotonic()
+    exec(open(sys.argv[1]).read())  # the card's snippet for a Python without the package
+    print("vocabulary", len(tokenizer), type(model).__module__.split(".")[0], f"{time.monotonic() - start:.1f}s")
+    """
+)
+
+
+def test_card_snippet_without_the_package_never_prompts(tmp_path):
+    """Issue 28 item 5: the card's snippet for a Python without the package loads the tokenizer and the model
+    without asking "Do you wish to run the custom code?" (stdin closed: an unanswered prompt there would be an
+    error, on a terminal a 15 s wait). transformers' AutoTokenizer reads the model's config first, through
+    `auto_map` when it has one, so the snippet passes `trust_remote_code=True` to both."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "tiny-dc"
+    tiny().save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY["vocab_size"])}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(folder)
+    card = (folder / "README.md").read_text()
+    snippet = card.split("Anywhere else", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "snippet.py").write_text(snippet)
+    (tmp_path / "run.py").write_text(CARD_SNIPPET_SCRIPT)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "PYTHONPATH": os.pathsep.join(isolated_paths(sys.path, ROOT))}
+    proc = subprocess.run([sys.executable, "-S", "-s", str(tmp_path / "run.py"), str(tmp_path / "snippet.py")],
+                          cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "custom code" not in proc.stdout + proc.stderr, proc.stdout[-2000:]
+    assert f"vocabulary {TINY['vocab_size']} transformers_modules" in proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -167,7 +167,7 @@ def test_card_usage_snippet_runs_tokenizer_and_generate(tokenizer, tmp_path, mon
     tokenizer.save_pretrained(tmp_path / "snippet-model")
     text = (tmp_path / "snippet-model" / "README.md").read_text()
     native, remote = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)[:2]
-    assert 'AutoTokenizer.from_pretrained("snippet-model")' in remote
+    assert 'AutoTokenizer.from_pretrained("snippet-model", trust_remote_code=True)' in remote
     assert 'from_pretrained("snippet-model", trust_remote_code=True)' in remote
     monkeypatch.chdir(tmp_path)  # the snippet names the model by its directory
     namespace = {}
@@ -269,3 +269,21 @@ def test_failed_upload_leaves_a_complete_directory(fake_hub, tmp_path, stage):
     fake_hub.fail = None  # the retry the message suggests
     model.push_to_hub("me/tiny-dc")
     assert fake_hub.upload[-1]["repo_id"] == "me/tiny-dc"
+
+
+@pytest.mark.parametrize("stage", ["create_repo", "upload"])
+def test_failed_push_to_hub_is_one_message(fake_hub, tmp_path, stage):
+    """Issue 28 item 6: `model.push_to_hub` offline ends in one HubUploadError naming the Hub, the repository and
+    the retry, with the network error kept in `.cause` instead of a chained traceback."""
+    import traceback
+
+    fake_hub.fail = stage
+    with pytest.raises(hub.HubUploadError) as failure:
+        tiny().push_to_hub("me/tiny-dc")
+    message = str(failure.value)
+    assert "Hugging Face Hub repository 'me/tiny-dc'" in message and "network is unreachable" in message
+    assert "push_to_hub('me/tiny-dc')" in message and "nothing was saved locally" in message
+    assert isinstance(failure.value.cause, ConnectionError)
+    printed = "".join(traceback.format_exception(failure.value))
+    assert "During handling" not in printed and "direct cause" not in printed
+    assert not fake_hub.upload
