@@ -181,6 +181,14 @@ def test_symlink_to_an_empty_folder_is_accepted(tool, neox, released, tmp_path, 
     assert link.is_symlink() and (real / "model.safetensors").is_file() and hidden(tmp_path) == []
 
 
+def test_dangling_symlink_gets_the_folder_it_names(neox, tmp_path, capsys):
+    real, link = tmp_path / "later" / "real", tmp_path / "alias"
+    link.symlink_to(real)  # names a folder that does not exist yet
+    code, err = run_main("pythia", argv("pythia", neox, link), capsys)
+    assert code == 0, err
+    assert link.is_symlink() and (real / "model.safetensors").is_file() and hidden(real.parent) == []
+
+
 @pytest.mark.parametrize("tool", list(TOOLS))
 def test_symlink_to_a_full_folder_is_refused_before_converting(tool, neox, released, tmp_path, capsys, monkeypatch):
     real, link = tmp_path / "full", tmp_path / "alias"
