@@ -360,3 +360,17 @@ def test_fingerprint_of_a_mixed_dtype_checkpoint(tmp_path):
     model = DCFormerForCausalLM.from_pretrained(tmp_path / "m")
     assert model.dtype == torch.float32
     assert common.checkpoint_fingerprint(tmp_path / "m", config) == weights_fingerprint(model)
+
+
+def test_output_mode_follows_the_umask_and_an_existing_folders_mode(neox, tmp_path, capsys):
+    """Issue 30, item 1, through the converters: not the 0700 of a temporary folder."""
+    dst = tmp_path / "out"
+    old_umask = os.umask(0o022)
+    try:
+        assert run_main("pythia", argv("pythia", neox, dst), capsys)[0] == 0
+        assert dst.stat().st_mode & 0o7777 == 0o755
+        os.chmod(dst, 0o2775)  # a shared folder
+        assert run_main("pythia", argv("pythia", neox, dst, "--overwrite"), capsys)[0] == 0
+        assert dst.stat().st_mode & 0o7777 == 0o2775
+    finally:
+        os.umask(old_umask)
