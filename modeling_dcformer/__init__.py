@@ -18,8 +18,8 @@ AutoConfig.register(DCFormerConfig.model_type, DCFormerConfig, exist_ok=True)
 AutoConfig.register(DCPythiaConfig.model_type, DCPythiaConfig, exist_ok=True)
 AutoModel.register(DCFormerConfig, DCFormerModel, exist_ok=True)
 AutoModelForCausalLM.register(DCFormerConfig, DCFormerForCausalLM, exist_ok=True)
-# transformers' save copies the code of classes registered so (custom_object_save) and points auto_map at it
-DCFormerConfig.register_for_auto_class("AutoConfig")
+# transformers' save of a model copies the code of classes registered so (custom_object_save: the model's file and
+# its relative imports, the config's included) and points auto_map at it; a config saved alone stays plain data
 DCFormerModel.register_for_auto_class("AutoModel")
 DCFormerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
