@@ -456,3 +456,18 @@ def test_released_converter_pushes_with_base_model(fake_hub, tmp_path, capsys, m
     card = ModelCard(upload["readme"])
     assert card.data.base_model == "Caiyun-AI/DCPythia-tiny" and card.data.license == "mit"
     assert "released checkpoint" in card.text
+
+
+def test_saved_python_is_only_what_computes(saved):
+    """Issue 27 item 1: the `*.py` of a save hold no ctypes and no chdir, and none of the saving, card or upload
+    code (the line count is reported: the target is 2,000; the model, config, cache and DCMHA files make it up).
+    The model file names the installed package's saving code only in a guarded import and its docstring."""
+    for directory in saved.values():
+        files = sorted(directory.glob("*.py"))
+        assert {f.name for f in files} == CODE_FILES
+        for file in files:
+            text = file.read_text()
+            assert "ctypes" not in text and "chdir" not in text, file.name
+        lines = sum(len(f.read_text().splitlines()) for f in files)
+        print(f"{directory.name}: {len(files)} files, {lines} lines of remote code")
+        assert lines < 3440  # the save before the redesign; 2,424 when it was made

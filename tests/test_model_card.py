@@ -287,3 +287,43 @@ def test_failed_push_to_hub_is_one_message(fake_hub, tmp_path, stage):
     printed = "".join(traceback.format_exception(failure.value))
     assert "During handling" not in printed and "direct cause" not in printed
     assert not fake_hub.upload
+
+
+def test_plain_trainer_card_is_trainers_and_keep_dcformer_card_merges(tmp_path):
+    """Without DCFormerTrainer nothing is patched: Trainer's `create_model_card` writes Trainer's card; the
+    documented `keep_dcformer_card(trainer)` then merges DCFormer's in."""
+    from transformers import Trainer
+
+    from modeling_dcformer.trainer import keep_dcformer_card
+
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4, save_strategy="no",
+                             report_to="none", use_cpu=True)
+    rows = [{"input_ids": list(range(i, i + 8)), "labels": list(range(i, i + 8))} for i in range(4)]
+    trainer = Trainer(model=tiny(), args=args, train_dataset=rows)
+    trainer.train()
+    trainer.create_model_card(model_name="tiny-trained")
+    readme = tmp_path / "out" / "README.md"
+    assert not model_card.is_generated_card(readme.read_text())  # Trainer's own card: no wrapped method
+    assert keep_dcformer_card(trainer, model_name="tiny-trained") == readme
+    card = ModelCard.load(readme)
+    assert model_card.is_generated_card(card.text) and model_card.TRAINER_SECTION in card.text
+    assert {"dcformer", "dcmha", "generated_from_trainer"} <= set(card.data.tags)
+
+
+def test_card_of_a_converted_model_trained_since(tmp_path):
+    """Issue 28 item 9 (the card's side): a converted Pythia says it computes the source's function only while its
+    weights are the converted ones (the converters record their fingerprint in `config.conversion["weights"]`)."""
+    model = tiny()
+    model.config.converted_from_model_type = "gpt_neox"
+    model.config.converted_from_folder = "pythia-tiny"
+    model.config.conversion = {"exact": True, "weights": model_card.weights_fingerprint(model)}
+    model.save_pretrained(tmp_path / "same")
+    text = (tmp_path / "same" / "README.md").read_text()
+    assert "computes exactly the source's function; these weights are the converted ones." in text
+    assert "`pythia-tiny` (local)" in text
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)  # trained since
+    model.save_pretrained(tmp_path / "trained")
+    text = (tmp_path / "trained" / "README.md").read_text()
+    assert "exactly the source's function" not in text
+    assert "Its weights have changed since the conversion (trained or edited)." in text
