@@ -107,6 +107,17 @@ def test_local_source_is_recorded_by_its_folder_name_only(tool, neox, released, 
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
+def test_card_of_a_local_source_links_no_hub_repo(tool, neox, released, tmp_path, capsys):
+    """Only true statements: a local folder's name is shown as local, never as a Hub repository or base_model."""
+    src = source_of(tool, neox, released)
+    code, err = run_main(tool, argv(tool, src, tmp_path / "out"), capsys)
+    assert code == 0, err
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"`{src.name}` (local)" in card and f"huggingface.co/{src.name}" not in card
+    assert "base_model" not in card.split("---")[1]
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
 def test_hub_cache_source_is_recorded_as_its_hub_id_and_commit(tool, neox, released, tmp_path, capsys):
     """A folder of the Hub cache (what `hf download` leaves) is recorded as the Hub id and the commit it holds."""
     commit = "0123456789abcdef0123456789abcdef01234567"
