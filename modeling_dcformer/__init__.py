@@ -3,7 +3,8 @@
 Importing this package registers model_type "dcformer" (and the released "dcpythia" config) with transformers'
 Auto classes, and the classes for `register_for_auto_class`, so that a save carries them as remote code. It changes
 nothing in other libraries: LoRA targets are named in `LoraConfig` (`target_modules="all-linear"` or
-`LORA_TARGET_MODULES`), and Trainer's model card is merged into DCFormer's by `modeling_dcformer.trainer.DCFormerTrainer`.
+`LORA_TARGET_MODULES`), and Trainer's model card is merged into DCFormer's by
+`modeling_dcformer.trainer.DCFormerTrainer`.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM

@@ -23,8 +23,8 @@ API (stable):
   (hard links where the file system allows them, else copies): a tokenizer saved beside a model survives a
   re-save of the model. None: nothing is carried over.
 - One writer at a time per destination: a `filelock.FileLock` on the hidden sibling `.NAME.lock` is held for the
-  whole write (other writers wait for it; with filelock >= 4.3 the file is removed when the write ends). Hidden siblings that writers
-  killed meanwhile left (`.NAME.tmp-*`, `.NAME.old-*`) are removed once the lock is held (an old copy is first
+  whole write (other writers wait for it; with filelock >= 4.3 the file is removed when the write ends). Hidden
+  siblings that writers killed meanwhile left (`.NAME.tmp-*`, `.NAME.old-*`) are removed once the lock is held (an old copy is first
   put back if the destination is missing).
 - The new folder gets the mode a plain `mkdir` would give (the umask respected: 0755 under umask 022) or, when the
   destination exists, that folder's mode and group (a 2775 shared folder stays 2775).

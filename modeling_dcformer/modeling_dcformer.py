@@ -447,7 +447,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
                 raise
             raise ValueError(problem) from None
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, remote_code: bool = True, model_card: bool | dict = True,
+                        **kwargs):
         """`PreTrainedModel.save_pretrained`, always in our native layout. Where the `modeling_dcformer` package is
         installed (`modeling_dcformer.hub.save_pretrained`, docs/hub.md): written beside and swapped in whole, with
         the remote code for every Auto class (`remote_code=False`: none) and a model card README.md (`model_card`:
@@ -455,13 +456,12 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         `repo_id`, `private`, `token`, `commit_message`, `create_pr`) uploads the complete folder, and a failed
         upload raises `hub.HubUploadError` saying how to retry. As remote code without the package: transformers'
         own save (which copies the remote code too)."""
-        kwargs.setdefault("save_original_format", False)  # else transformers reverts the load-time renaming of released keys
+        kwargs.setdefault("save_original_format", False)  # else transformers reverts the released keys' renaming
         try:
             from modeling_dcformer.hub import save_pretrained
         except ImportError:
-            kwargs.pop("remote_code", None), kwargs.pop("model_card", None)
             return super().save_pretrained(save_directory, *args, **kwargs)
-        return save_pretrained(self, save_directory, *args, **kwargs)
+        return save_pretrained(self, save_directory, *args, remote_code=remote_code, model_card=model_card, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the model to the Hub repository `repo_id` in one commit: weights, config, the remote code and a

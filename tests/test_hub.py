@@ -342,7 +342,8 @@ def test_card_eval_results_from_every_input_form(tmp_path):
     results_file.parent.mkdir(parents=True)
     results_file.write_text(json.dumps(LM_EVAL_RESULTS))
     for eval_results in (LM_EVAL_RESULTS, str(results_file), tmp_path / "lm-eval", LM_EVAL_RESULTS["results"]):
-        path = model_card.write_model_card(tmp_path, DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=eval_results)
+        path = model_card.write_model_card(tmp_path, DCFormerConfig(**TINY), model_name="tiny-dc",
+                                           eval_results=eval_results)
         card = ModelCard.load(path)  # parses the YAML
         assert card.data.eval_results is None and "model-index:" not in card.content
         for row in ("| piqa_local | acc | 0.6250 | 0.1250 |", "| piqa_local | acc_norm | 0.5000 |  |",
@@ -352,7 +353,8 @@ def test_card_eval_results_from_every_input_form(tmp_path):
             assert row in card.text, row
         assert ("limit=8" in card.text) == (eval_results is not LM_EVAL_RESULTS["results"])  # lm-eval's `limit`
     with pytest.raises(ValueError, match="no metric"):
-        model_card.model_card(DCFormerConfig(**TINY), model_name="x", eval_results={"results": {"piqa": {"alias": "p"}}})
+        model_card.model_card(DCFormerConfig(**TINY), model_name="x",
+                              eval_results={"results": {"piqa": {"alias": "p"}}})
 
 
 def test_card_base_model_and_provenance():
