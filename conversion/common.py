@@ -306,7 +306,7 @@ def output_directory(dst, overwrite: bool = False, source: Path | None = None):
     except OSError as err:
         if err.errno not in DISK_FULL:
             raise
-        where = f" ({err.filename})" if err.filename else ""
+        where = f" ({err.filename2 or err.filename})" if err.filename2 or err.filename else ""
         raise OSError(
             err.errno,
             f"writing the conversion into {dst} failed: {err.strerror}{where}; {dst} was left as it was and the "
@@ -362,30 +362,52 @@ def source_provenance(src: str, src_dir: Path, revision: str | None = None) -> d
     )
 
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def safetensors_index(path: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """name -> (dtype, shape, first byte, end byte) of every tensor of a safetensors file, from its header."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return {
+        name: (SAFETENSORS_DTYPES[info["dtype"]], info["shape"], 8 + size + info["data_offsets"][0],
+               8 + size + info["data_offsets"][1])
+        for name, info in header.items()
+    }  # fmt: skip
+
+
 def checkpoint_fingerprint(directory: Path, config) -> str:
-    """sha256 of the weights a DCFormer checkpoint loads as, in `hub.weights_fingerprint`'s scheme (each tensor of
-    the model's state dict in name order: name, dtype, shape, bytes; in `config.dtype`, which `from_pretrained`
-    loads; a tied head is the embedding). Computed from the files, one tensor in memory at a time, so that a
-    model card can tell whether a model saved later still holds exactly the converted weights."""
+    """sha256 of the weights a DCFormer checkpoint loads as, in `model_card.weights_fingerprint`'s scheme (each
+    tensor of the model's state dict in name order: name, dtype, shape, bytes; in `config.dtype`, which
+    `from_pretrained` loads; a tied head is the embedding). Read from the files with plain reads, one tensor in
+    memory at a time (no memory map that would stay resident), so that a model card can tell whether a model saved
+    later still holds exactly the converted weights."""
     from modeling_dcformer import DCFormerForCausalLM
 
     with torch.device("meta"):
         names = sorted(DCFormerForCausalLM(config).state_dict())
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))
-    where = {key: file for file in weight_files(directory) for key in shard_keys(file)}
+    where = {}
+    for file in weight_files(directory):
+        where.update({key: (file, entry) for key, entry in safetensors_index(file).items()})
     digest = hashlib.sha256()
-    handles = {}
-    try:
-        for name in names:
-            stored = "model.embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
-            file = where[stored]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
-            tensor = handles[file].get_tensor(stored).to(dtype).contiguous()
-            digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    finally:
-        handles.clear()
+    for name in names:
+        stored = "model.embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
+        file, (stored_dtype, shape, begin, end) = where[stored]
+        with open(file, "rb") as f:
+            f.seek(begin)
+            data = bytearray(f.read(end - begin))
+        if stored_dtype != dtype:
+            tensor = torch.frombuffer(data, dtype=stored_dtype).to(dtype) if data else torch.empty(0, dtype=dtype)
+            data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        digest.update(f"{name} {dtype} {tuple(shape)}\n".encode())
+        digest.update(data)
     return "sha256:" + digest.hexdigest()
 
 

@@ -3,7 +3,8 @@
 Importing this package registers model_type "dcformer" (and the released "dcpythia" config) with transformers'
 Auto classes, and the classes for `register_for_auto_class`, so that a save carries them as remote code. It changes
 nothing in other libraries: LoRA targets are named in `LoraConfig` (`target_modules="all-linear"` or
-`LORA_TARGET_MODULES`), and Trainer's model card is merged into DCFormer's by `modeling_dcformer.trainer.DCFormerTrainer`.
+`LORA_TARGET_MODULES`), and Trainer's model card is merged into DCFormer's by
+`modeling_dcformer.trainer.DCFormerTrainer`.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -18,8 +19,8 @@ AutoConfig.register(DCFormerConfig.model_type, DCFormerConfig, exist_ok=True)
 AutoConfig.register(DCPythiaConfig.model_type, DCPythiaConfig, exist_ok=True)
 AutoModel.register(DCFormerConfig, DCFormerModel, exist_ok=True)
 AutoModelForCausalLM.register(DCFormerConfig, DCFormerForCausalLM, exist_ok=True)
-# transformers' save copies the code of classes registered so (custom_object_save) and points auto_map at it
-DCFormerConfig.register_for_auto_class("AutoConfig")
+# transformers' save of a model copies the code of classes registered so (custom_object_save: the model's file and
+# its relative imports, the config's included) and points auto_map at it; a config saved alone stays plain data
 DCFormerModel.register_for_auto_class("AutoModel")
 DCFormerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 

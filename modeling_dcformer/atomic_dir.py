@@ -23,14 +23,16 @@ API (stable):
   (hard links where the file system allows them, else copies): a tokenizer saved beside a model survives a
   re-save of the model. None: nothing is carried over.
 - One writer at a time per destination: a `filelock.FileLock` on the hidden sibling `.NAME.lock` is held for the
-  whole write (other writers wait for it; with filelock >= 4.3 the file is removed when the write ends). Hidden siblings that writers
-  killed meanwhile left (`.NAME.tmp-*`, `.NAME.old-*`) are removed once the lock is held (an old copy is first
+  whole write (other writers wait for it; with filelock >= 4.3 the file is removed when the write ends). Hidden
+  siblings that writers killed meanwhile left (`.NAME.tmp-*`, `.NAME.old-*`) are removed once the lock is held (an old copy is first
   put back if the destination is missing).
 - The new folder gets the mode a plain `mkdir` would give (the umask respected: 0755 under umask 022) or, when the
   destination exists, that folder's mode and group (a 2775 shared folder stays 2775).
 - The swap: Linux `renameat2(RENAME_EXCHANGE)` exchanges the two folders in one step, so the destination always
   names one complete copy; elsewhere the old copy is first renamed to `.NAME.old-*` (a crash between the two
   renames leaves it whole there, and the next write puts it back). The old copy is then deleted.
+- Readers: the swap takes an exclusive `flock` on the old folder first; `DCFormerPreTrainedModel.from_pretrained`
+  holds a shared one while it reads a local folder, so a load sees one copy, never two.
 - A process whose working directory was inside the replaced folder is moved to the same path in the new copy.
 """
 
@@ -47,6 +49,11 @@ from pathlib import Path
 from filelock import FileLock
 from filelock import __version__ as filelock_version
 from transformers.utils import logging
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no reader lock
+    fcntl = None
 
 logger = logging.get_logger(__name__)
 
@@ -166,17 +173,23 @@ def _swap(tmp: Path, target: Path, overwrite: bool) -> None:
                 raise
     if not overwrite:
         raise FileExistsError(f"{target} exists and is not empty: left as it is, the new copy was discarded")
-    if _exchange(tmp, target):
-        old = tmp
-    else:
-        old = _sibling(target, "old")
-        os.replace(target, old)
-        try:
-            _put_in_place(tmp, target)
-        except BaseException:
-            os.replace(old, target)
-            raise
-    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        if fcntl is not None:  # loads of the old copy hold a shared lock on it (`reading_one_save`): they finish first
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if _exchange(tmp, target):
+            old = tmp
+        else:
+            old = _sibling(target, "old")
+            os.replace(target, old)
+            try:
+                _put_in_place(tmp, target)
+            except BaseException:
+                os.replace(old, target)
+                raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        os.close(fd)
     if old.exists():
         logger.warning(f"could not remove all of the replaced copy of {target} at {old}: delete it")
 

@@ -60,12 +60,13 @@ print(tokenizer.decode(output[0], skip_special_tokens=True))
 ```
 
 Anywhere else, the code stored beside the weights (`modeling_dcformer.py`, `configuration_dcformer.py`, ...) runs \
-instead (only torch and transformers needed), and `generate` works the same:
+instead (only torch and transformers needed), and `generate` works the same. The tokenizer needs no remote code, \
+but `AutoTokenizer` reads the model's config first, which names it: without `trust_remote_code=True` it would ask.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tokenizer = AutoTokenizer.from_pretrained("{{ model_id }}")
+tokenizer = AutoTokenizer.from_pretrained("{{ model_id }}", trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained("{{ model_id }}", trust_remote_code=True)
 ```
 
@@ -147,11 +148,13 @@ def _architecture(config) -> list[tuple[str, str]]:
 def _provenance(config, base_model: str | None, weights: str | None = None) -> str | None:
     from .hub import is_hub_id
 
-    source = getattr(config, "converted_from", None) or getattr(config, "converted_from_folder", None)
-    if source is None and base_model is None:
+    source = getattr(config, "converted_from", None)
+    folder = getattr(config, "converted_from_folder", None)  # a local source's folder name (converters, issue 28)
+    if source is None and folder is None and base_model is None:
         return None
-    shown = base_model or source
-    link = f"[{shown}](https://huggingface.co/{shown})" if is_hub_id(shown) else f"`{Path(shown).name}` (local)"
+    shown = base_model or source or folder
+    on_hub = shown != folder and is_hub_id(shown)
+    link = f"[{shown}](https://huggingface.co/{shown})" if on_hub else f"`{Path(shown).name}` (local)"
     revision, commit = getattr(config, "converted_from_revision", None), getattr(config, "converted_from_commit", None)
     details = [text for text in (revision and f"revision {revision}", commit and f"commit {commit}") if text]
     if details:

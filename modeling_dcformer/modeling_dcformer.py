@@ -16,6 +16,7 @@ Layout of one attention layer (`DCFormerAttention`):
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -340,18 +341,37 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 # from_pretrained's arguments that say where the files are: passed on to the config and checkpoint reads here
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
-SAVE_RETRIES = 5
 
 
-def saved_id(source, subfolder: str | None = None) -> str | None:
-    """The `save_id` that `save_pretrained` wrote in a local folder's config.json (None: not a local folder, or
-    none there)."""
-    if source is None or not os.path.isdir(source):
-        return None
+@contextmanager
+def reading_one_save(source, subfolder: str | None = None):
+    """While a local folder is read, a shared `flock` on it: `save_pretrained` (and the converters) take it
+    exclusively before they swap a new save in, so a load never reads two saves. Yields the folder's `save_id`
+    (config.json's random id of the save, None if none). Nothing to lock for a Hub id or without `fcntl`."""
+    folder = Path(str(source), subfolder or "") if source is not None else None
+    if folder is None or not folder.is_dir():
+        yield None
+        return
     try:
-        return json.loads(Path(source, subfolder or "", "config.json").read_text(encoding="utf-8")).get("save_id")
-    except (OSError, ValueError, AttributeError):
-        return None
+        import fcntl
+    except ImportError:  # not POSIX
+        fcntl = None
+    fd = None
+    while fcntl is not None:
+        fd = os.open(folder, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.path.samestat(os.fstat(fd), os.stat(folder)):
+            break
+        os.close(fd)  # a save took the folder's place while we waited: lock the new one
+    try:
+        save_id = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("save_id")
+    except (OSError, ValueError, AttributeError):  # no config.json, or not one: transformers says so
+        save_id = None
+    try:
+        yield save_id
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 class DCFormerPreTrainedModel(PreTrainedModel):
@@ -406,9 +426,9 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.from_pretrained` (every argument as for any model), refusing a checkpoint that does not
         match its config (transformers would initialise missing tensors randomly, drop unused ones and cast integer
         tensors, and only log it): the error names the config field responsible (`checkpoint_checks.py`). With
-        `output_loading_info=True` missing and unused tensors are reported back instead. A local folder replaced by
-        another save while it is read (its config.json's `save_id` changed) is read again, so a load never takes the
-        config of one save and the weights of another."""
+        `output_loading_info=True` missing and unused tensors are reported back instead. A local folder is read under
+        a shared lock (`reading_one_save`), and a config read before another save replaced the folder is read again,
+        so a load never takes the config of one save and the weights of another."""
         want_info = kwargs.get("output_loading_info", False)
         kwargs["output_loading_info"] = True  # the missing and unused tensors, checked below
         source = pretrained_model_name_or_path
@@ -422,29 +442,18 @@ class DCFormerPreTrainedModel(PreTrainedModel):
                     f"query_wise is True but checkpoint {str(source)!r} was trained with query_wise=False: a query-wise "
                     "model would drop its key-wise composition weights; load it with its own config"
                 )
-        for attempt in range(SAVE_RETRIES):
-            before = saved_id(source, hub_kwargs.get("subfolder"))
+        with reading_one_save(source, hub_kwargs.get("subfolder")) as save_id:
+            if getattr(config, "save_id", None) not in (None, save_id):  # a config read from an earlier save
+                logger.warning(f"{source} was saved again since its config was read: reading the new one")
+                kwargs.pop("config")  # (by AutoModel*, say, just before the folder was replaced)
             try:
-                try:
-                    model, info = super().from_pretrained(source, *args, **kwargs)
-                except Exception:  # an unreadable weight file or shard index: one line naming it (checkpoint_checks)
-                    problem = describe_unreadable(source, **hub_kwargs)
-                    if problem is None:
-                        raise
-                    raise OSError(problem) from None
-                check_dtypes(source, checkpoint_files(source, **hub_kwargs), config=model.config)
-                one_save = before is None or getattr(model.config, "save_id", None) == before
-            except Exception:
-                if before is None or saved_id(source, hub_kwargs.get("subfolder")) == before:
+                model, info = super().from_pretrained(source, *args, **kwargs)
+            except Exception:  # an unreadable weight file or shard index: one line naming it (checkpoint_checks.py)
+                problem = describe_unreadable(source, **hub_kwargs)
+                if problem is None:
                     raise
-                one_save = False
-            if one_save and saved_id(source, hub_kwargs.get("subfolder")) == before:
-                break
-            logger.warning(f"{source} was replaced by another save while it was read: reading it again")
-            kwargs.pop("config", None)  # it may come from the replaced save
-        else:
-            raise OSError(f"{source} was replaced by another save during each of {SAVE_RETRIES} loads: load it when "
-                          "no process is saving into it")
+                raise OSError(problem) from None
+            check_dtypes(source, checkpoint_files(source, **hub_kwargs), config=model.config)
         if not want_info:
             problem = describe_mismatch(
                 model.config, source, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
@@ -473,7 +482,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
                 raise
             raise ValueError(problem) from None
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, remote_code: bool = True, model_card: bool | dict = True,
+                        **kwargs):
         """`PreTrainedModel.save_pretrained`, always in our native layout. Where the `modeling_dcformer` package is
         installed (`modeling_dcformer.hub.save_pretrained`, docs/hub.md): written beside and swapped in whole, with
         the remote code for every Auto class (`remote_code=False`: none) and a model card README.md (`model_card`:
@@ -481,13 +491,12 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         `repo_id`, `private`, `token`, `commit_message`, `create_pr`) uploads the complete folder, and a failed
         upload raises `hub.HubUploadError` saying how to retry. As remote code without the package: transformers'
         own save (which copies the remote code too)."""
-        kwargs.setdefault("save_original_format", False)  # else transformers reverts the load-time renaming of released keys
+        kwargs.setdefault("save_original_format", False)  # else transformers reverts the released keys' renaming
         try:
             from modeling_dcformer.hub import save_pretrained
         except ImportError:
-            kwargs.pop("remote_code", None), kwargs.pop("model_card", None)
             return super().save_pretrained(save_directory, *args, **kwargs)
-        return save_pretrained(self, save_directory, *args, **kwargs)
+        return save_pretrained(self, save_directory, *args, remote_code=remote_code, model_card=model_card, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the model to the Hub repository `repo_id` in one commit: weights, config, the remote code and a

@@ -131,7 +131,8 @@ WRITER = LOAD + textwrap.dedent(
 
 def test_three_processes_writing_one_folder(tmp_path):
     out = tmp_path / "out"
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(out), tag, "6", atomic_dir.__file__], stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(out), tag, "6", atomic_dir.__file__],
+                              stderr=subprocess.PIPE, text=True)
              for tag in "abc"]
     errors = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], errors

@@ -107,6 +107,17 @@ def test_local_source_is_recorded_by_its_folder_name_only(tool, neox, released, 
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
+def test_card_of_a_local_source_links_no_hub_repo(tool, neox, released, tmp_path, capsys):
+    """Only true statements: a local folder's name is shown as local, never as a Hub repository or base_model."""
+    src = source_of(tool, neox, released)
+    code, err = run_main(tool, argv(tool, src, tmp_path / "out"), capsys)
+    assert code == 0, err
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"`{src.name}` (local)" in card and f"huggingface.co/{src.name}" not in card
+    assert "base_model" not in card.split("---")[1]
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
 def test_hub_cache_source_is_recorded_as_its_hub_id_and_commit(tool, neox, released, tmp_path, capsys):
     """A folder of the Hub cache (what `hf download` leaves) is recorded as the Hub id and the commit it holds."""
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -133,16 +144,18 @@ def test_provenance_of_a_hub_id_source(tmp_path):
     assert local["converted_from"] is None and local["converted_from_folder"] == tmp_path.name
 
 
-@pytest.mark.parametrize("tool", list(TOOLS))
-def test_fingerprint_tells_converted_weights_from_fine_tuned_ones(tool, neox, released, tmp_path, capsys):
+@pytest.mark.parametrize("tool, dtype", [("pythia", None), ("caiyun", None), ("caiyun", "bfloat16")])
+def test_fingerprint_tells_converted_weights_from_fine_tuned_ones(tool, dtype, neox, released, tmp_path, capsys):
     """`conversion.weights` is the fingerprint (weights_fingerprint) of the weights the conversion wrote: equal
     for the loaded model, different once a training step changed it (what a card needs before it says the model
     computes the source's function)."""
     from modeling_dcformer.model_card import weights_fingerprint
 
-    code, err = run_main(tool, argv(tool, source_of(tool, neox, released), tmp_path / "out"), capsys)
+    cast = ["--dtype", dtype] if dtype else []
+    code, err = run_main(tool, argv(tool, source_of(tool, neox, released), tmp_path / "out", *cast), capsys)
     assert code == 0, err
     model = DCFormerForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.dtype == getattr(torch, dtype or "float32")
     recorded = model.config.conversion["weights"]
     assert recorded.startswith("sha256:") and recorded == weights_fingerprint(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -177,6 +190,14 @@ def test_symlink_to_an_empty_folder_is_accepted(tool, neox, released, tmp_path, 
     code, err = run_main(tool, argv(tool, source_of(tool, neox, released), link), capsys)
     assert code == 0, err
     assert link.is_symlink() and (real / "model.safetensors").is_file() and hidden(tmp_path) == []
+
+
+def test_dangling_symlink_gets_the_folder_it_names(neox, tmp_path, capsys):
+    real, link = tmp_path / "later" / "real", tmp_path / "alias"
+    link.symlink_to(real)  # names a folder that does not exist yet
+    code, err = run_main("pythia", argv("pythia", neox, link), capsys)
+    assert code == 0, err
+    assert link.is_symlink() and (real / "model.safetensors").is_file() and hidden(real.parent) == []
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
@@ -331,3 +352,36 @@ def test_valid_index_is_read(neox, tmp_path, capsys):
     (neox / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     code, err = run_main("pythia", argv("pythia", neox, tmp_path / "out"), capsys)
     assert code == 0, err
+
+
+def test_fingerprint_of_a_mixed_dtype_checkpoint(tmp_path):
+    """Tensors stored in another dtype than the config's load cast to it: the fingerprint hashes them so cast."""
+    from safetensors.torch import save_file
+
+    from modeling_dcformer.model_card import weights_fingerprint
+
+    config = DCFormerConfig(vocab_size=64, hidden_size=24, num_hidden_layers=1, num_attention_heads=3,
+                            intermediate_size=48, tie_word_embeddings=True, dtype="float32")  # fmt: skip
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in DCFormerForCausalLM(config).state_dict().items() if k != "lm_head.weight"}
+    state["model.norm.weight"] = torch.randn(24).to(torch.float16)  # one tensor kept in half precision
+    (tmp_path / "m").mkdir()
+    save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(tmp_path / "m")
+    model = DCFormerForCausalLM.from_pretrained(tmp_path / "m")
+    assert model.dtype == torch.float32
+    assert common.checkpoint_fingerprint(tmp_path / "m", config) == weights_fingerprint(model)
+
+
+def test_output_mode_follows_the_umask_and_an_existing_folders_mode(neox, tmp_path, capsys):
+    """Issue 30, item 1, through the converters: not the 0700 of a temporary folder."""
+    dst = tmp_path / "out"
+    old_umask = os.umask(0o022)
+    try:
+        assert run_main("pythia", argv("pythia", neox, dst), capsys)[0] == 0
+        assert dst.stat().st_mode & 0o7777 == 0o755
+        os.chmod(dst, 0o2775)  # a shared folder
+        assert run_main("pythia", argv("pythia", neox, dst, "--overwrite"), capsys)[0] == 0
+        assert dst.stat().st_mode & 0o7777 == 0o2775
+    finally:
+        os.umask(old_umask)

@@ -25,7 +25,7 @@ import torch
 import modeling_dcformer  # noqa: F401  (registers the Auto classes)
 from modeling_dcformer.conversion import caiyun_to_hf, common
 from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, atomic_dir, hub
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, atomic_dir
 from released_checkpoint import released_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")

@@ -102,9 +102,20 @@ def saved(tmp_path_factory):
 
 ISOLATED_SCRIPT = textwrap.dedent(
     """
-    import importlib.util, json, sys
+    import importlib.abc, importlib.util, json, sys
     from pathlib import Path
-    report = {"spec": repr(importlib.util.find_spec("modeling_dcformer"))}
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        # the package may sit in the same site-packages as torch (`pip install .` into a venv): hidden from here
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "modeling_dcformer":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    sys.meta_path.insert(0, NotInstalled())
+    try:
+        report = {"spec": repr(importlib.util.find_spec("modeling_dcformer"))}
+    except ModuleNotFoundError:
+        report = {"spec": "None"}
     try:
         import modeling_dcformer  # noqa: F401
         report["importable"] = True
@@ -135,17 +146,26 @@ ISOLATED_SCRIPT = textwrap.dedent(
 )
 
 
+def isolated_paths(paths: list[str], checkout: str | os.PathLike) -> list[str]:
+    """`sys.path` without the checkout's source folders (the checkout itself and what pytest's `pythonpath` adds
+    under it, such as tests/ and examples/): the folders of torch, transformers and their dependencies stay, also a
+    venv's site-packages inside the checkout (`python -m venv .venv`, as the README says)."""
+    checkout = Path(checkout).resolve()
+
+    def is_source(path: Path) -> bool:
+        return path.is_relative_to(checkout) and not {"site-packages", "dist-packages"} & set(path.parts)
+
+    return [p for p in paths if p and os.path.isdir(p) and not is_source(Path(p).resolve())]
+
+
 @pytest.fixture(scope="module")
 def isolated(saved):
     """Runs ISOLATED_SCRIPT once over every saved directory: `python -S -s` (no site hooks, so not the editable
     install's finder; no user site, not the checkout) with PYTHONPATH holding only the directories of torch,
-    transformers and their dependencies, an empty HF_HOME and offline."""
+    transformers and their dependencies (`isolated_paths`), the package itself hidden, an empty HF_HOME and
+    offline."""
     root = next(iter(saved.values())).parent
-    paths = [
-        p for p in sys.path
-        if p and os.path.isdir(p) and not Path(p).resolve().is_relative_to(ROOT)
-        and not os.path.exists(os.path.join(p, "modeling_dcformer"))
-    ]
+    paths = isolated_paths(sys.path, ROOT)
     (root / "isolated.py").write_text(ISOLATED_SCRIPT)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root), "HF_HOME": str(root / "hf_home"),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -156,6 +176,18 @@ def isolated(saved):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root, json.loads((root / "report.json").read_text())
+
+
+def test_isolated_paths_keep_a_venv_inside_the_checkout(tmp_path):
+    """Issue 28 item 1: with the README's `python -m venv .venv` inside the clone, the isolated process must still
+    find torch (the fixture dropped every path under the checkout, so `make test` failed there)."""
+    checkout = tmp_path / "clone"
+    venv_site = checkout / ".venv" / "lib" / "python3.11" / "site-packages"
+    stdlib = tmp_path / "python" / "lib" / "python3.11"
+    for folder in (checkout / "tests", checkout / "examples", venv_site, stdlib):
+        folder.mkdir(parents=True)
+    paths = [str(checkout), str(checkout / "tests"), str(checkout / "examples"), str(stdlib), str(venv_site), ""]
+    assert isolated_paths(paths, checkout) == [str(stdlib), str(venv_site)]
 
 
 def test_saved_remote_code_carries_the_interface_but_no_kernel(saved):
@@ -244,6 +276,51 @@ def test_remote_code_can_be_left_out(tmp_path):
     assert torch.equal(logits_of(load_native(tmp_path), ids), logits_of(model, ids))
 
 
+CARD_SNIPPET_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, sys, time
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "modeling_dcformer":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    sys.meta_path.insert(0, NotInstalled())
+    start = time.monotonic()
+    exec(open(sys.argv[1]).read())  # the card's snippet for a Python without the package
+    print("vocabulary", len(tokenizer), type(model).__module__.split(".")[0], f"{time.monotonic() - start:.1f}s")
+    """
+)
+
+
+def test_card_snippet_without_the_package_never_prompts(tmp_path):
+    """Issue 28 item 5: the card's snippet for a Python without the package loads the tokenizer and the model
+    without asking "Do you wish to run the custom code?" (stdin closed: an unanswered prompt there would be an
+    error, on a terminal a 15 s wait). transformers' AutoTokenizer reads the model's config first, through
+    `auto_map` when it has one, so the snippet passes `trust_remote_code=True` to both."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "tiny-dc"
+    tiny().save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY["vocab_size"])}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(folder)
+    card = (folder / "README.md").read_text()
+    snippet = card.split("Anywhere else", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "snippet.py").write_text(snippet)
+    (tmp_path / "run.py").write_text(CARD_SNIPPET_SCRIPT)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "PYTHONPATH": os.pathsep.join(isolated_paths(sys.path, ROOT))}
+    proc = subprocess.run([sys.executable, "-S", "-s", str(tmp_path / "run.py"), str(tmp_path / "snippet.py")],
+                          cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "custom code" not in proc.stdout + proc.stderr, proc.stdout[-2000:]
+    assert f"vocabulary {TINY['vocab_size']} transformers_modules" in proc.stdout
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The model card
 # ----------------------------------------------------------------------------------------------------------------
@@ -265,7 +342,8 @@ def test_card_eval_results_from_every_input_form(tmp_path):
     results_file.parent.mkdir(parents=True)
     results_file.write_text(json.dumps(LM_EVAL_RESULTS))
     for eval_results in (LM_EVAL_RESULTS, str(results_file), tmp_path / "lm-eval", LM_EVAL_RESULTS["results"]):
-        path = model_card.write_model_card(tmp_path, DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=eval_results)
+        path = model_card.write_model_card(tmp_path, DCFormerConfig(**TINY), model_name="tiny-dc",
+                                           eval_results=eval_results)
         card = ModelCard.load(path)  # parses the YAML
         assert card.data.eval_results is None and "model-index:" not in card.content
         for row in ("| piqa_local | acc | 0.6250 | 0.1250 |", "| piqa_local | acc_norm | 0.5000 |  |",
@@ -275,7 +353,8 @@ def test_card_eval_results_from_every_input_form(tmp_path):
             assert row in card.text, row
         assert ("limit=8" in card.text) == (eval_results is not LM_EVAL_RESULTS["results"])  # lm-eval's `limit`
     with pytest.raises(ValueError, match="no metric"):
-        model_card.model_card(DCFormerConfig(**TINY), model_name="x", eval_results={"results": {"piqa": {"alias": "p"}}})
+        model_card.model_card(DCFormerConfig(**TINY), model_name="x",
+                              eval_results={"results": {"piqa": {"alias": "p"}}})
 
 
 def test_card_base_model_and_provenance():
@@ -379,3 +458,18 @@ def test_released_converter_pushes_with_base_model(fake_hub, tmp_path, capsys, m
     card = ModelCard(upload["readme"])
     assert card.data.base_model == "Caiyun-AI/DCPythia-tiny" and card.data.license == "mit"
     assert "released checkpoint" in card.text
+
+
+def test_saved_python_is_only_what_computes(saved):
+    """Issue 27 item 1: the `*.py` of a save hold no ctypes and no chdir, and none of the saving, card or upload
+    code (the line count is reported: the target is 2,000; the model, config, cache and DCMHA files make it up).
+    The model file names the installed package's saving code only in a guarded import and its docstring."""
+    for directory in saved.values():
+        files = sorted(directory.glob("*.py"))
+        assert {f.name for f in files} == CODE_FILES
+        for file in files:
+            text = file.read_text()
+            assert "ctypes" not in text and "chdir" not in text, file.name
+        lines = sum(len(f.read_text().splitlines()) for f in files)
+        print(f"{directory.name}: {len(files)} files, {lines} lines of remote code")
+        assert lines < 3440  # the save before the redesign; 2,424 when it was made

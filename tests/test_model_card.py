@@ -167,7 +167,7 @@ def test_card_usage_snippet_runs_tokenizer_and_generate(tokenizer, tmp_path, mon
     tokenizer.save_pretrained(tmp_path / "snippet-model")
     text = (tmp_path / "snippet-model" / "README.md").read_text()
     native, remote = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)[:2]
-    assert 'AutoTokenizer.from_pretrained("snippet-model")' in remote
+    assert 'AutoTokenizer.from_pretrained("snippet-model", trust_remote_code=True)' in remote
     assert 'from_pretrained("snippet-model", trust_remote_code=True)' in remote
     monkeypatch.chdir(tmp_path)  # the snippet names the model by its directory
     namespace = {}
@@ -269,3 +269,61 @@ def test_failed_upload_leaves_a_complete_directory(fake_hub, tmp_path, stage):
     fake_hub.fail = None  # the retry the message suggests
     model.push_to_hub("me/tiny-dc")
     assert fake_hub.upload[-1]["repo_id"] == "me/tiny-dc"
+
+
+@pytest.mark.parametrize("stage", ["create_repo", "upload"])
+def test_failed_push_to_hub_is_one_message(fake_hub, tmp_path, stage):
+    """Issue 28 item 6: `model.push_to_hub` offline ends in one HubUploadError naming the Hub, the repository and
+    the retry, with the network error kept in `.cause` instead of a chained traceback."""
+    import traceback
+
+    fake_hub.fail = stage
+    with pytest.raises(hub.HubUploadError) as failure:
+        tiny().push_to_hub("me/tiny-dc")
+    message = str(failure.value)
+    assert "Hugging Face Hub repository 'me/tiny-dc'" in message and "network is unreachable" in message
+    assert "push_to_hub('me/tiny-dc')" in message and "nothing was saved locally" in message
+    assert isinstance(failure.value.cause, ConnectionError)
+    printed = "".join(traceback.format_exception(failure.value))
+    assert "During handling" not in printed and "direct cause" not in printed
+    assert not fake_hub.upload
+
+
+def test_plain_trainer_card_is_trainers_and_keep_dcformer_card_merges(tmp_path):
+    """Without DCFormerTrainer nothing is patched: Trainer's `create_model_card` writes Trainer's card; the
+    documented `keep_dcformer_card(trainer)` then merges DCFormer's in."""
+    from transformers import Trainer
+
+    from modeling_dcformer.trainer import keep_dcformer_card
+
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4, save_strategy="no",
+                             report_to="none", use_cpu=True)
+    rows = [{"input_ids": list(range(i, i + 8)), "labels": list(range(i, i + 8))} for i in range(4)]
+    trainer = Trainer(model=tiny(), args=args, train_dataset=rows)
+    trainer.train()
+    trainer.create_model_card(model_name="tiny-trained")
+    readme = tmp_path / "out" / "README.md"
+    assert not model_card.is_generated_card(readme.read_text())  # Trainer's own card: no wrapped method
+    assert keep_dcformer_card(trainer, model_name="tiny-trained") == readme
+    card = ModelCard.load(readme)
+    assert model_card.is_generated_card(card.text) and model_card.TRAINER_SECTION in card.text
+    assert {"dcformer", "dcmha", "generated_from_trainer"} <= set(card.data.tags)
+
+
+def test_card_of_a_converted_model_trained_since(tmp_path):
+    """Issue 28 item 9 (the card's side): a converted Pythia says it computes the source's function only while its
+    weights are the converted ones (the converters record their fingerprint in `config.conversion["weights"]`)."""
+    model = tiny()
+    model.config.converted_from_model_type = "gpt_neox"
+    model.config.converted_from_folder = "pythia-tiny"
+    model.config.conversion = {"exact": True, "weights": model_card.weights_fingerprint(model)}
+    model.save_pretrained(tmp_path / "same")
+    text = (tmp_path / "same" / "README.md").read_text()
+    assert "computes exactly the source's function; these weights are the converted ones." in text
+    assert "`pythia-tiny` (local)" in text
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)  # trained since
+    model.save_pretrained(tmp_path / "trained")
+    text = (tmp_path / "trained" / "README.md").read_text()
+    assert "exactly the source's function" not in text
+    assert "Its weights have changed since the conversion (trained or edited)." in text

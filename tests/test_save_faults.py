@@ -134,7 +134,7 @@ def test_three_processes_saving_one_folder(tmp_path):
                          stderr=subprocess.PIPE, text=True)
         for tag in (1, 2, 3)
     ]
-    errors = [proc.communicate(timeout=600)[1] for proc in procs]
+    errors = [proc.communicate(timeout=600)[1] for proc in procs]  # (the race was narrow: it does not always show)
     assert [proc.returncode for proc in procs] == [0, 0, 0], [e[-2000:] for e in errors]
     model = DCFormerForCausalLM.from_pretrained(folder)
     assert torch.all(weights_of(model) == model.config.marker)  # one whole save, the last one
@@ -142,20 +142,27 @@ def test_three_processes_saving_one_folder(tmp_path):
 
 
 def test_a_load_never_mixes_two_saves(tmp_path):
+    """One process re-saves a folder in a loop (saves that differ in weights and shapes), this one loads it: every
+    load takes the config and the weights of one save (before the redesign, about 1 in 6 loads mixed two saves and
+    more failed with a spurious mismatch)."""
     folder = tmp_path / "model"
     tiny().save_pretrained(folder)
-    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(folder), "1", "1000", json.dumps(TINY)],
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(folder), "1", "100000", json.dumps(TINY)],
                              stderr=subprocess.PIPE, text=True)
     loads = 0
     try:
-        deadline = time.monotonic() + 60
-        while loads < 40 and time.monotonic() < deadline and saver.poll() is None:
+        deadline = time.monotonic() + 300
+        while "marker" not in (folder / "config.json").read_text() and saver.poll() is None:  # the saver's first save
+            assert time.monotonic() < deadline, "the saving process did not start"
+            time.sleep(0.2)
+        deadline = time.monotonic() + 40
+        while loads < 60 and time.monotonic() < deadline:
             model = AutoModelForCausalLM.from_pretrained(folder)
-            marker = getattr(model.config, "marker", None)
-            if marker is not None:  # the first save has no marker
-                assert torch.all(weights_of(model) == marker), "config and weights from two saves"
-                assert model.config.intermediate_size == 32 * (1 + (1 + marker - 100) % 2)
+            marker = model.config.marker
+            assert torch.all(weights_of(model) == marker), "config and weights from two saves"
+            assert model.config.intermediate_size == 32 * (1 + (1 + marker - 100) % 2)
             loads += 1
+        assert saver.poll() is None, saver.communicate()[1][-2000:]  # still saving: every load overlapped saves
     finally:
         saver.kill()
         saver.communicate()
