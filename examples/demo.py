@@ -396,7 +396,13 @@ def run(argv=None, t_start: float | None = None) -> dict:
 
 
 def main(argv=None, t_start: float | None = None) -> int:
-    return 0 if run(argv, t_start)["ok"] else 1
+    from modeling_dcformer.evals.harness import DataUnreachableError
+
+    try:
+        return 0 if run(argv, t_start)["ok"] else 1
+    except DataUnreachableError as err:  # a real task's data set offline: the harness's one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from .checkpoint_checks import quantization_summary
 from .evals.lm_eval_results import EVAL_SOURCE_URL, _number, read_eval_results
 
 logger = logging.get_logger(__name__)
@@ -43,6 +44,8 @@ Xiao, Meng, Li, Yuan, *Improving Transformers with Dynamically Composable Multi-
 with input-dependent low-rank and diagonal weights.
 {% if provenance %}
 {{ provenance }}
+{% endif %}{% if quantization %}
+{{ quantization }}
 {% endif %}
 ## Usage
 
@@ -217,7 +220,8 @@ def model_card(config, *, model_name: str, repo_id: str | None = None, license: 
     )
     return ModelCard.from_template(
         data, template_str=TEMPLATE, marker=CARD_MARKER, model_name=model_name, model_id=repo_id or model_name,
-        provenance=_provenance(config, base_model, weights), architecture=_architecture(config), full=full,
+        provenance=_provenance(config, base_model, weights), quantization=quantization_summary(config),
+        architecture=_architecture(config), full=full,
         smoke=[r for r in results["results"] if r["smoke"] is not None], source=results["source"],
         source_url=EVAL_SOURCE_URL,
     )

@@ -120,7 +120,8 @@ def test_demo_with_a_given_pythia_directory(tmp_path, capsys):
     assert not (out / "pythia-tiny").exists()
     converted = Path(summary["conversion"]["dir"])
     assert converted == out / "dc-neox" and Path(summary["save"]["dir"]) == out / "dc-neox-finetuned"
-    assert json.loads((converted / "config.json").read_text())["converted_from"] == str(src.resolve())
+    provenance = json.loads((converted / "config.json").read_text())
+    assert provenance["converted_from_folder"] == src.name and provenance.get("converted_from") is None
     assert list(summary["evaluation"]["tasks"]) == ["piqa_local"]
     assert summary["reload"]["native"]["ok"] and summary["reload"]["native"]["max_abs_diff"] == 0.0
     assert summary["training"]["steps"] == 2
@@ -161,3 +162,24 @@ def test_output_dir_rules(tmp_path):
     (ours / "summary.json").write_text("{}")  # a previous run's output is replaced, marker and all
     demo.prepare_output_dir(ours)
     assert sorted(p.name for p in ours.iterdir()) == [demo.MARKER]
+
+
+def test_unreachable_task_data_is_one_line(monkeypatch, capsys):
+    """A real task's data set out of reach (offline) ends the demo with the harness's one line and exit 2, not a
+    traceback; any other error still propagates."""
+    from modeling_dcformer.evals.harness import DataUnreachableError
+
+    def offline(argv, t_start):
+        raise DataUnreachableError("the data of piqa is on the Hub, which cannot be reached: use piqa_local")
+
+    monkeypatch.setattr(demo, "run", offline)
+    assert demo.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the data of piqa is on the Hub, which cannot be reached: use piqa_local"]
+
+    def broken(argv, t_start):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(demo, "run", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        demo.main([])

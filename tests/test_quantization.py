@@ -136,6 +136,9 @@ def test_quantized_checkpoint_round_trip_gives_the_same_logits(saved, tmp_path, 
     model.save_pretrained(tmp_path / "quantized")
     saved_config = json.loads((tmp_path / "quantized" / "config.json").read_text())
     assert saved_config["quantization_config"]["quant_method"] == ("torchao" if "torchao" in method else "bitsandbytes")
+    # its model card (written by save_pretrained, as push_to_hub uploads it) says how it was quantized
+    card = (tmp_path / "quantized" / "README.md").read_text()
+    assert quantization_summary(model.config) in card and card.count("Quantized with ") == 1
     for load in (DCFormerForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
         again = load(tmp_path / "quantized").eval()
         assert_quantized(again, method)
@@ -259,7 +262,7 @@ def test_device_map_auto_offloads_to_disk_exactly(saved, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The model card's sentence (hub.py calls it when writing a card)
+# The model card's sentence (model_card.py puts it in every card of a quantized model)
 # ----------------------------------------------------------------------------------------------------------------
 def test_quantization_summary_says_how_a_model_was_quantized(saved):
     from transformers import BitsAndBytesConfig

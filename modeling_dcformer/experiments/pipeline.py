@@ -49,13 +49,13 @@ def source_name(src: str) -> str:
 
 def build_tiny_pythia(dst: Path, tokenizer_texts: list[str], seed: int) -> dict:
     """A random GPT-NeoX causal LM of Pythia's layout and a byte-level BPE tokenizer, saved to `dst`."""
-    from ..conversion.common import atomic_output_dir
+    from ..atomic_dir import replacing
     from .tokenizer_utils import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(tokenizer_texts, TINY_PYTHIA["vocab_size"])
     torch.manual_seed(seed)
     model = GPTNeoXForCausalLM(GPTNeoXConfig(**TINY_PYTHIA)).eval()
-    with atomic_output_dir(dst) as tmp:
+    with replacing(dst, overwrite=False) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
@@ -147,12 +147,12 @@ def check_inputs(tokenizer, vocab_size: int) -> torch.Tensor:
 def save(model, tokenizer, dst: Path, eval_file: Path | None, repo_id: str | None) -> dict:
     """save_pretrained (model and tokenizer) into a directory that appears only when complete. Where
     save_pretrained writes a model card, it gets the directory's (or the Hub repo's) name and the lm-eval results."""
-    from ..conversion.common import atomic_output_dir
+    from ..atomic_dir import replacing
 
     card = {"model_name": repo_id.split("/")[-1] if repo_id else dst.name, "repo_id": repo_id}
     if eval_file is not None and eval_file.is_file():
         card["eval_results"] = str(eval_file)
-    with atomic_output_dir(dst, overwrite=True) as tmp:
+    with replacing(dst, overwrite=True) as tmp:
         model.save_pretrained(tmp, model_card=card)
         tokenizer.save_pretrained(tmp)
     config = json.loads((dst / "config.json").read_text())

@@ -55,7 +55,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     HfArgumentParser,
-    Trainer,
     TrainerCallback,
     TrainingArguments,
     default_data_collator,
@@ -66,6 +65,7 @@ from transformers.utils import logging as hf_logging
 
 from .. import DCFormerConfig  # importing the package registers "dcformer"/"dcpythia" with the Auto classes
 from ..configuration import config_file
+from ..trainer import DCFormerTrainer
 
 logger = hf_logging.get_logger("dcformer.train_clm")
 
@@ -674,8 +674,8 @@ def check_finite(model, what: str) -> None:
         )
 
 
-class CheckpointTrainer(Trainer):
-    """The stock Trainer; a checkpoint whose write fails (a full disk, a folder turned read-only) ends the run with
+class CheckpointTrainer(DCFormerTrainer):
+    """`DCFormerTrainer` (Trainer keeping DCFormer's model card on `--push_to_hub`); a checkpoint whose write fails (a full disk, a folder turned read-only) ends the run with
     one line naming it, and the half-written `checkpoint-N` is removed, so that no later run takes it for one."""
 
     def _save_checkpoint(self, model, trial):
