@@ -678,7 +678,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
         else:
             n = args.decode_new * args.batch_size
             rows.append((f"decode {args.decode_prompt}+{args.decode_new} (new tokens/s, higher is better)",
-                         n / b, n / d, "{:.1f}"))
+                         n / b, n / d, "{:.1f}" if min(n / b, n / d) >= 10 else "{:.3f}"))
     mem_label = {"prefill": "prefill", "train": "fwd+bwd", "decode": "decode"}
     for phase in args.phases:
         rows.append((f"peak memory, {mem_label[phase]} (MiB over weights)", memory[("baseline", phase)]["peak_bytes"] / MIB,
@@ -690,10 +690,17 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     say(f"- shape `{args.shape}`: {describe(dc_cfg)}")
     say(f"- {base_name}: same shape, `attn_implementation=\"sdpa\"`; DCFormer: its own DCMHA attention "
         f"(query chunks of {dc_cfg.attention_chunk_size})")
-    say(f"- batch {args.batch_size}; prefill (logits of the last position, cache filled) and fwd+bwd (train mode, "
-        f"loss + backward, no optimizer) on {args.seq_len} tokens; decode: greedy `generate`, {args.decode_prompt} "
-        f"prompt + {args.decode_new} new tokens, use_cache ({args.cache} cache), prompt included"
-        + ("; forward under `torch.compile` (default options), compiled in the warm-up run" if args.compile_static else ""))
+    parts = {"prefill": "prefill (logits of the last position, cache filled)",
+             "train": "fwd+bwd (train mode, loss + backward, no optimizer)"}
+    measured = [parts[ph] for ph in args.phases if ph in parts]
+    described = [f"{' and '.join(measured)} on {args.seq_len} tokens"] if measured else []
+    if "decode" in args.phases:
+        described.append(
+            f"decode: greedy `generate`, {args.decode_prompt} prompt + {args.decode_new} new tokens, use_cache "
+            f"({args.cache} cache), prompt included"
+            + ("; forward under `torch.compile` (default options), compiled in the warm-up run"
+               if args.compile_static else ""))
+    say(f"- batch {args.batch_size}; " + "; ".join(described))
     say(f"- time: per phase one fresh process holds both models, 1 warm-up each, then {args.repeats} runs "
         f"interleaved, median; memory: one run after a warm-up run in a fresh process per model and phase")
     say(f"- load average (1/5/15 min) before: {load_before}, after: {load_average()}")
