@@ -33,6 +33,9 @@ the median is reported. Memory: one run (after a warm-up run) per model and phas
     python benchmarks/bench_model.py --quick              # tiny smoke test (a few seconds of work)
     python benchmarks/bench_model.py --shape pythia-70m --seq-len 512 --window 256
     python benchmarks/bench_model.py --profile            # also: top DCFormer prefill ops (torch.profiler)
+    python benchmarks/bench_model.py --shape pythia-6.9b --layers 2 --vocab-size 1024 --dtype bf16 \
+        --phases prefill,decode --seq-len 64 --decode-prompt 8 --decode-new 8 --repeats 5  # DCPythia-6.9B's layers
+    python benchmarks/bench_model.py --compile-static     # decode: static cache, torch.compile'd forward, both models
     python benchmarks/bench_model.py --sweep              # training step vs T (Pythia-70M shape), table + PNG
     python benchmarks/bench_model.py --sweep --quick      # the same on the tiny shape at T=32,64 (seconds)
 
