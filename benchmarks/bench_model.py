@@ -33,6 +33,9 @@ the median is reported. Memory: one run (after a warm-up run) per model and phas
     python benchmarks/bench_model.py --quick              # tiny smoke test (a few seconds of work)
     python benchmarks/bench_model.py --shape pythia-70m --seq-len 512 --window 256
     python benchmarks/bench_model.py --profile            # also: top DCFormer prefill ops (torch.profiler)
+    python benchmarks/bench_model.py --shape pythia-6.9b --layers 2 --vocab-size 1024 --dtype bf16 \
+        --phases prefill,decode --seq-len 64 --decode-prompt 8 --decode-new 8 --repeats 5  # DCPythia-6.9B's layers
+    python benchmarks/bench_model.py --compile-static     # decode: static cache, torch.compile'd forward, both models
     python benchmarks/bench_model.py --sweep              # training step vs T (Pythia-70M shape), table + PNG
     python benchmarks/bench_model.py --sweep --quick      # the same on the tiny shape at T=32,64 (seconds)
 
@@ -114,6 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a preset of configuration/ (e.g. dcpythia-pythia-410m, dcformer-tiny) or pythia-SIZE "
                         f"(-> dcpythia-pythia-SIZE.json); default {DEFAULTS['shape']} ({SWEEP_SHAPE} with --sweep, "
                         f"{QUICK['shape']} with --quick)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="number of layers (default: the preset's); with --shape pythia-6.9b a slice of DCPythia-6.9B's "
+                        "layers at their real shape")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size (default: the preset's); a small one (1024) keeps a few-layer slice of a "
+                        "big shape from being dominated by its embedding and output layer")
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens of prefill and fwd+bwd (default {DEFAULTS['seq_len']})")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--decode-prompt", type=int, default=None, help=f"prompt tokens for decode (default {DEFAULTS['decode_prompt']})")
@@ -139,7 +148,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "live tensors; 'default' leaves glibc as it is (its heap then retains freed blocks of up to 32 MiB)")
     p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                    help="decode: generate's cache_implementation, for both models (static: buffers written in place)")
-    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
+    p.add_argument("--compile-static", action="store_true",
+                   help="decode with cache_implementation='static' and the model's forward wrapped in torch.compile "
+                        "(`model.forward = torch.compile(model.forward)`), both models; the warm-up run compiles. "
+                        "Implies --cache static and, unless --phases says otherwise, --phases decode")
+    p.add_argument("--phases", default=None, help="comma-separated subset of " + ",".join(PHASES))
     p.add_argument("--quick", action="store_true", help="tiny model and short inputs: a smoke test")
     p.add_argument("--sweep", action="store_true",
                    help="instead of the phase table: the training step (forward, loss, backward; no optimizer) at "
@@ -163,12 +176,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.out_dir = args.out_dir or RESULTS_DIR
+    if args.phases is None:
+        args.phases = "decode" if args.compile_static else ",".join(PHASES)
     args.phases = [ph.strip() for ph in args.phases.split(",") if ph.strip()]
     unknown = set(args.phases) - set(PHASES)
     if unknown:
         p.error(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
     if args.dcmha_implementation == "kernel" and ("train" in args.phases or args.sweep):
         p.error("--dcmha-implementation kernel computes no gradients: use it with --phases prefill,decode")
+    if args.compile_static:
+        if args.phases != ["decode"] or args.sweep:
+            p.error("--compile-static measures decoding: use it with --phases decode (and without --sweep)")
+        if args.cache == "dynamic" and "--cache" in (sys.argv[1:] if argv is None else list(argv)):
+            p.error("--compile-static decodes with the static cache: drop --cache dynamic")
+        args.cache = "static"
+    for name in ("layers", "vocab_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("seq_len", "batch_size", "decode_prompt", "decode_new", "repeats", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -196,6 +220,10 @@ def dcformer_config(args) -> DCFormerConfig:
         overrides["dcmha_implementation"] = args.dcmha_implementation
     if args.attention_chunk_size is not None:
         overrides["attention_chunk_size"] = args.attention_chunk_size
+    if args.layers is not None:
+        overrides.update(num_hidden_layers=args.layers, layer_types=None)  # the pattern is re-derived for N layers
+    if args.vocab_size is not None:
+        overrides["vocab_size"] = args.vocab_size
     max_len = max(args.seq_len, args.decode_prompt + args.decode_new, *(args.sweep_seq_lens if args.sweep else ()))
     if max_len > config.max_position_embeddings:
         overrides["max_position_embeddings"] = max_len
@@ -328,6 +356,10 @@ def make_step(model, phase: str, dc_cfg: DCFormerConfig, opts: dict):
         model.eval()
         new = opts["decode_new"]
         cache = None if opts.get("cache", "dynamic") == "dynamic" else opts["cache"]
+        if opts.get("compile_static"):
+            # what transformers users do for speed on any device (generate compiles by itself only on accelerators,
+            # and only with a compileable cache): the forward of every generation step goes through torch.compile
+            model.forward = torch.compile(model.forward)
 
         def step():
             with torch.inference_mode():
@@ -541,7 +573,8 @@ def run_sweep(args, dc_cfg: DCFormerConfig, base_name: str, opts: dict, command:
     wall = time.perf_counter() - t_start
 
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"train_sweep_{os.path.splitext(os.path.basename(args.shape))[0]}")
+    layers = "" if args.layers is None else f"-{args.layers}layers"
+    stem = os.path.join(args.out_dir, f"train_sweep_{os.path.splitext(os.path.basename(args.shape))[0]}{layers}")
     png, md = stem + ".png", stem + ".md"
     title = (f"training step (fwd+bwd), batch {args.batch_size}, {args.dtype}, {args.threads} thread(s): "
              f"shape {args.shape}")
@@ -603,7 +636,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     base_name, _ = baseline_config(dc_cfg)
     opts = dict(threads=args.threads, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
                 decode_prompt=args.decode_prompt, decode_new=args.decode_new, repeats=args.repeats,
-                malloc=args.malloc, cache=args.cache)
+                malloc=args.malloc, cache=args.cache, compile_static=args.compile_static)
     argv_list = sys.argv[1:] if argv is None else list(argv)
     command = " ".join(["python", "benchmarks/bench_model.py", *map(shlex.quote, argv_list)])
     load_before = load_average()
@@ -648,7 +681,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
         else:
             n = args.decode_new * args.batch_size
             rows.append((f"decode {args.decode_prompt}+{args.decode_new} (new tokens/s, higher is better)",
-                         n / b, n / d, "{:.1f}"))
+                         n / b, n / d, "{:.1f}" if min(n / b, n / d) >= 10 else "{:.3f}"))
     mem_label = {"prefill": "prefill", "train": "fwd+bwd", "decode": "decode"}
     for phase in args.phases:
         rows.append((f"peak memory, {mem_label[phase]} (MiB over weights)", memory[("baseline", phase)]["peak_bytes"] / MIB,
@@ -660,9 +693,17 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     say(f"- shape `{args.shape}`: {describe(dc_cfg)}")
     say(f"- {base_name}: same shape, `attn_implementation=\"sdpa\"`; DCFormer: its own DCMHA attention "
         f"(query chunks of {dc_cfg.attention_chunk_size})")
-    say(f"- batch {args.batch_size}; prefill (logits of the last position, cache filled) and fwd+bwd (train mode, "
-        f"loss + backward, no optimizer) on {args.seq_len} tokens; decode: greedy `generate`, {args.decode_prompt} "
-        f"prompt + {args.decode_new} new tokens, use_cache ({args.cache} cache), prompt included")
+    parts = {"prefill": "prefill (logits of the last position, cache filled)",
+             "train": "fwd+bwd (train mode, loss + backward, no optimizer)"}
+    measured = [parts[ph] for ph in args.phases if ph in parts]
+    described = [f"{' and '.join(measured)} on {args.seq_len} tokens"] if measured else []
+    if "decode" in args.phases:
+        described.append(
+            f"decode: greedy `generate`, {args.decode_prompt} prompt + {args.decode_new} new tokens, use_cache "
+            f"({args.cache} cache), prompt included"
+            + ("; forward under `torch.compile` (default options), compiled in the warm-up run"
+               if args.compile_static else ""))
+    say(f"- batch {args.batch_size}; " + "; ".join(described))
     say(f"- time: per phase one fresh process holds both models, 1 warm-up each, then {args.repeats} runs "
         f"interleaved, median; memory: one run after a warm-up run in a fresh process per model and phase")
     say(f"- load average (1/5/15 min) before: {load_before}, after: {load_average()}")
@@ -685,6 +726,8 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
 
     summary = dict(command=command, torch=torch.__version__, transformers=transformers.__version__,
                    threads=args.threads, dtype=args.dtype, shape=args.shape, baseline=base_name, rows=table,
+                   layers=dc_cfg.num_hidden_layers, vocab_size=dc_cfg.vocab_size, cache=args.cache,
+                   compile_static=args.compile_static,
                    ratios={ph: table[2 + i]["ratio"] for i, ph in enumerate(args.phases)},
                    memory_ratios={ph: table[2 + len(args.phases) + i]["ratio"] for i, ph in enumerate(args.phases)},
                    wall_s=wall)

@@ -18,9 +18,11 @@ What it needs at the full shape (6.86B parameters source, 6.95B converted): disk
 (13.7 GB source + 13.9 GB converted; both are deleted at the end unless --keep) and about 15 GiB of free memory
 (one bf16 model, 13.9 GB, and its prefill; the two models are never in memory together; the conversion peaks near
 7 GB). It checks both before it starts and refuses with a line saying what is missing; `--layers N` runs the same
-pipeline on fewer layers (the per-layer cost is the same; memory and disk shrink about in proportion). Time at
-the full shape on a 2-core CPU with 1 torch thread: about 20 minutes (bf16 matrix-vector products are slow on CPU:
-decode steps take tens of seconds each).
+pipeline on fewer layers (the per-layer cost is the same; memory and disk shrink about in proportion). The peak
+RSS of a load is about twice the model's size: safetensors maps the checkpoint files, and RSS counts their mapped
+(clean, reclaimable) pages besides the model's own memory. Time: an 8-layer run took 15 minutes on a busy 2-core
+CPU with 1 torch thread; the full shape has four times the layers' work (bf16 products are slow on CPU: a decode
+step of the full model takes tens of seconds).
 
     python benchmarks/bench_real_scale.py --workdir /scratch/realscale             # the full Pythia-6.9B shape
     python benchmarks/bench_real_scale.py --workdir /scratch/realscale --layers 8  # a quarter of the layers

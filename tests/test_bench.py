@@ -107,3 +107,86 @@ def test_sweep_seq_lens_parsed_and_imply_sweep(bench):
     assert bench.parse_args(["--sweep"]).shape == "pythia-70m"  # the sweep's default shape
     assert bench.parse_args(["--sweep", "--shape", "pythia-160m"]).shape == "pythia-160m"
     assert not bench.parse_args([]).sweep and bench.parse_args([]).shape == "pythia-160m"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --layers, --vocab-size, --dtype, --compile-static (issue 26: DCPythia-6.9B's layer shape, half precision)
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_slice_of_the_6_9b_shape_with_its_gpt_neox_twin(bench):
+    """`--shape pythia-6.9b --layers 2 --vocab-size 1024`: DCPythia-6.9B's layers at their real width, and a
+    GPT-NeoX config of the same shape (configs only: nothing of that size is built here)."""
+    args = bench.parse_args(["--shape", "pythia-6.9b", "--layers", "2", "--vocab-size", "1024", "--dtype", "bf16"])
+    dc = bench.dcformer_config(args)
+    expected = bench.DCFormerConfig.from_preset("dcpythia-pythia-6.9b", num_hidden_layers=2, vocab_size=1024)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                "partial_rotary_factor", "rope_theta", "use_parallel_residual", "window_size", "use_qk_norm"):
+        assert getattr(dc, key) == getattr(expected, key), key
+    assert (dc.hidden_size, dc.num_hidden_layers, dc.vocab_size) == (4096, 2, 1024)
+    assert len(dc.layer_types) == 2
+    name, neox = bench.baseline_config(dc)
+    assert name == "GPT-NeoX"
+    assert (neox.hidden_size, neox.num_hidden_layers, neox.num_attention_heads, neox.intermediate_size,
+            neox.vocab_size) == (4096, 2, 32, 16384, 1024)
+    assert bench.DTYPES[args.dtype] == bench.torch.bfloat16
+
+
+def test_layers_keep_a_local_pattern_of_the_right_length(bench):
+    args = bench.parse_args(["--shape", "dcformer-tiny", "--layers", "3", "--window", "4"])
+    dc = bench.dcformer_config(args)
+    assert dc.num_hidden_layers == 3 and len(dc.layer_types) == 3 and "sliding_attention" in dc.layer_types
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "0"], "--layers must be at least 1"),
+    (["--vocab-size", "-3"], "--vocab-size must be at least 1"),
+    (["--compile-static", "--phases", "prefill,decode"], "--compile-static measures decoding"),
+    (["--compile-static", "--cache", "dynamic"], "drop --cache dynamic"),
+])
+def test_bad_layer_vocab_and_compile_options_are_argparse_errors(bench, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compile_static_decodes_with_the_static_cache_through_a_compiled_forward(bench):
+    args = bench.parse_args(["--quick", "--compile-static"])
+    assert args.phases == ["decode"] and args.cache == "static" and args.compile_static
+    assert bench.parse_args(["--compile-static", "--cache", "static"]).cache == "static"
+    assert bench.parse_args([]).phases == ["prefill", "train", "decode"]  # unchanged without it
+    dc = bench.dcformer_config(args)
+    opts = dict(batch_size=1, decode_prompt=4, decode_new=2, seq_len=8, cache="static", compile_static=True)
+    for kind in ("dcformer", "baseline"):
+        model = bench.build_model(kind, dc, bench.torch.float32)
+        plain = model.forward
+        bench.make_step(model, "decode", dc, opts)  # not run: compiling takes minutes here
+        assert model.forward is not plain and hasattr(model.forward, "_torchdynamo_orig_callable"), kind
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_models_are_built_in_that_dtype(bench, dtype):
+    args = bench.parse_args(["--quick", "--layers", "1", "--vocab-size", "96", "--dtype", dtype])
+    dc = bench.dcformer_config(args)
+    for kind in ("dcformer", "baseline"):
+        model = bench.build_model(kind, dc, bench.DTYPES[dtype])
+        assert {p.dtype for p in model.parameters()} == {bench.DTYPES[dtype]}, kind
+        assert model.config.num_hidden_layers == 1 and model.config.vocab_size == 96
+
+
+def test_quick_run_of_a_layer_slice_in_bf16_reports_prefill_decode_and_memory(tmp_path):
+    out_json = tmp_path / "bench.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = ["--quick", "--layers", "1", "--vocab-size", "128", "--dtype", "bf16", "--phases", "prefill,decode",
+            "--seq-len", "16", "--decode-prompt", "4", "--decode-new", "3", "--repeats", "1", "--json", str(out_json)]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "1 layers" in proc.stdout and "vocab 128" in proc.stdout and "bf16" in proc.stdout, proc.stdout
+    summary = json.loads(out_json.read_text())
+    assert summary["dtype"] == "bf16" and summary["layers"] == 1 and summary["vocab_size"] == 128
+    assert set(summary["ratios"]) == {"prefill", "decode"} and set(summary["memory_ratios"]) == {"prefill", "decode"}
+    assert all(r > 0 for r in summary["ratios"].values())
+    labels = [row["metric"] for row in summary["rows"]]
+    assert any(label.startswith("prefill 1x16") for label in labels)
+    assert any(label.startswith("decode 4+3") for label in labels)
+    assert any(label.startswith("peak memory, decode") for label in labels)
