@@ -36,7 +36,7 @@ from .arguments import (
     size_list,
 )
 from .lm_corpus import TOKENIZERS
-from .report import report_only, sweep_summary, write_reports, write_scaling
+from .report import report_only, sweep_summary, write_atomic, write_reports, write_scaling
 from .runner import prepare_lm, prepare_synthetic, train_one
 from .synthetic_tasks import TASKS, TaskConfig
 
@@ -333,7 +333,7 @@ def run_comparison(args, command: list[str]) -> dict:
             f"{result['tokens_per_second']:,.0f} tokens/s)"
         )
         report["wall_seconds"] = time.perf_counter() - wall_start
-        json_path.write_text(json.dumps(report, indent=1))  # partial results survive an interruption
+        write_atomic(json_path, json.dumps(report, indent=1))  # partial results survive an interruption
 
     with tempfile.TemporaryDirectory(prefix="compare_small_") as workdir:
         seeds = args.seeds
@@ -352,10 +352,10 @@ def run_comparison(args, command: list[str]) -> dict:
 
     report["wall_seconds"] = time.perf_counter() - wall_start
     table = write_reports(out, report)  # the wall time reported: all the training and evaluation
-    json_path.write_text(json.dumps(report, indent=1))
+    write_atomic(json_path, json.dumps(report, indent=1))
     print(table)
     total = (time.perf_counter() - wall_start) / 60
-    print(f"wrote {out / 'results.md'}, {json_path}, {out / 'curves.png'} in {total:.1f} min")
+    print(f"wrote {out / 'results.md'}, {json_path}, {out / 'curves.png'}, {out / 'curves_axes.png'} in {total:.1f} min")
     return report
 
 
