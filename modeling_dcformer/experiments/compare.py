@@ -183,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--report-only",
         action="store_true",
-        help="train nothing: rebuild results.md and the plots from --out/results.json (e.g. of an "
-        "interrupted run: the runs finished so far are kept there)",
+        help="train nothing: rebuild results.md and the plots (curves on the three axes: tokens, FLOPs, seconds "
+        "included) from --out/results.json, or every size's and the scaling tables from --out/scaling.json (e.g. "
+        "of an interrupted run: the runs finished so far are kept there; older JSON without per-evaluation "
+        "seconds gets them estimated from the median step time)",
     )
     return p
 
@@ -355,7 +357,8 @@ def run_comparison(args, command: list[str]) -> dict:
     write_atomic(json_path, json.dumps(report, indent=1))
     print(table)
     total = (time.perf_counter() - wall_start) / 60
-    print(f"wrote {out / 'results.md'}, {json_path}, {out / 'curves.png'}, {out / 'curves_axes.png'} in {total:.1f} min")
+    written = ", ".join(str(p) for p in (out / "results.md", json_path, out / "curves.png", out / "curves_axes.png"))
+    print(f"wrote {written} in {total:.1f} min")
     return report
 
 

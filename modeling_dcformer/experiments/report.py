@@ -463,16 +463,19 @@ def axes_lines(report: dict) -> list[str]:
                 f"({fmt_axis(axis, c['common_budget'])}) the mean validation loss is {tf_loss:.3f} (Transformer) vs "
                 f"{dc_loss:.3f} (DCFormer), linear between evaluations"
             )
-            dc_reach, tf_reach = c["dcformer_reaches_transformer_final_loss"], c["transformer_reaches_dcformer_final_loss"]
+            dc_reach = c["dcformer_reaches_transformer_final_loss"]
+            tf_reach = c["transformer_reaches_dcformer_final_loss"]
             if dc_reach is not None and dc_reach > 0:
+                tf_final = fmt_axis(axis, c["transformer_final"])
                 line += (
                     f"; the DCFormer reaches the Transformer's final loss at {fmt_axis(axis, dc_reach)} "
-                    f"({dc_reach / c['transformer_final']:.2f}x the Transformer's {fmt_axis(axis, c['transformer_final'])})"
+                    f"({dc_reach / c['transformer_final']:.2f}x the Transformer's {tf_final})"
                 )
             elif tf_reach is not None and tf_reach > 0:
+                dc_final = fmt_axis(axis, c["dcformer_final"])
                 line += (
                     f"; the Transformer reaches the DCFormer's final loss at {fmt_axis(axis, tf_reach)} "
-                    f"({tf_reach / c['dcformer_final']:.2f}x the DCFormer's {fmt_axis(axis, c['dcformer_final'])})"
+                    f"({tf_reach / c['dcformer_final']:.2f}x the DCFormer's {dc_final})"
                 )
             else:
                 line += "; neither reaches the other's final loss"
