@@ -317,7 +317,8 @@ def test_smoke_run_writes_table_json_and_png(tmp_path):
     assert abs(data["parameters"]["relative_difference"]) <= 0.02
     assert report["wall_seconds"] > 0
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "Per run" in table and table.count("| DCFormer (DCMHA) | ") == 2 + 2 + 1  # 2 tasks, 2 seeds, the norms
+    # 2 tasks, 2 seeds, the norms, the three axes
+    assert "Per run" in table and table.count("| DCFormer (DCMHA) | ") == 2 + 2 + 1 + 1
     assert (out / "dyn_norms.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the report can be rebuilt from the JSON alone (e.g. of an interrupted run)
     (out / "results.md").unlink()

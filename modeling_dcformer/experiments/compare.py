@@ -36,7 +36,7 @@ from .arguments import (
     size_list,
 )
 from .lm_corpus import TOKENIZERS
-from .report import report_only, sweep_summary, write_reports, write_scaling
+from .report import report_only, sweep_summary, write_atomic, write_reports, write_scaling
 from .runner import prepare_lm, prepare_synthetic, train_one
 from .synthetic_tasks import TASKS, TaskConfig
 
@@ -183,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--report-only",
         action="store_true",
-        help="train nothing: rebuild results.md and the plots from --out/results.json (e.g. of an "
-        "interrupted run: the runs finished so far are kept there)",
+        help="train nothing: rebuild results.md and the plots (curves on the three axes: tokens, FLOPs, seconds "
+        "included) from --out/results.json, or every size's and the scaling tables from --out/scaling.json (e.g. "
+        "of an interrupted run: the runs finished so far are kept there; older JSON without per-evaluation "
+        "seconds gets them estimated from the median step time)",
     )
     return p
 
@@ -333,7 +335,7 @@ def run_comparison(args, command: list[str]) -> dict:
             f"{result['tokens_per_second']:,.0f} tokens/s)"
         )
         report["wall_seconds"] = time.perf_counter() - wall_start
-        json_path.write_text(json.dumps(report, indent=1))  # partial results survive an interruption
+        write_atomic(json_path, json.dumps(report, indent=1))  # partial results survive an interruption
 
     with tempfile.TemporaryDirectory(prefix="compare_small_") as workdir:
         seeds = args.seeds
@@ -352,10 +354,11 @@ def run_comparison(args, command: list[str]) -> dict:
 
     report["wall_seconds"] = time.perf_counter() - wall_start
     table = write_reports(out, report)  # the wall time reported: all the training and evaluation
-    json_path.write_text(json.dumps(report, indent=1))
+    write_atomic(json_path, json.dumps(report, indent=1))
     print(table)
     total = (time.perf_counter() - wall_start) / 60
-    print(f"wrote {out / 'results.md'}, {json_path}, {out / 'curves.png'} in {total:.1f} min")
+    written = ", ".join(str(p) for p in (out / "results.md", json_path, out / "curves.png", out / "curves_axes.png"))
+    print(f"wrote {written} in {total:.1f} min")
     return report
 
 

@@ -7,13 +7,93 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import tempfile
 from pathlib import Path
 
 from .ablation import DC_MODELS, LABELS, MODELS, SLOT_NAMES
+from .flops import flops_per_step
 
 SYNTHETIC_METRICS = ("loss", "accuracy", "seq_accuracy", "accuracy_easy", "accuracy_hard")
 LM_METRICS = ("loss", "perplexity", "bits_per_byte")
+AXES = ("tokens", "flops", "seconds")
+AXIS_LABELS = {"tokens": "training tokens", "flops": "training FLOPs", "seconds": "training seconds"}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Writes `text` beside `path` and swaps it in: an interruption never leaves a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_figure(fig, path: Path) -> None:
+    """`fig.savefig` beside `path`, then swapped in."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def step_axes(report: dict, run: dict) -> dict:
+    """How far run `run` got on each axis by step s: {"tokens": per step, "flops": per step (None without the
+    model's config), "seconds": [(step, training seconds)] or None, "seconds_source": "measured" (recorded at each
+    evaluation), "estimated" (step x the median step time, results of older versions) or None}."""
+    setup = report["setup"]
+    if setup.get("task") == "lm":
+        tokens = setup["batch_size"] * setup["block_size"]
+    else:
+        tokens = setup["train_tokens"] / setup["steps"]
+    seconds, source = run.get("train_seconds_at_step"), "measured"
+    if not seconds:
+        median = run.get("step_seconds_median")
+        steps = sorted({s for points in run["curves"].values() for s, _ in points})
+        seconds, source = ([(s, s * median) for s in steps], "estimated") if median else (None, None)
+    return {
+        "tokens": tokens,
+        "flops": flops_per_step(report, run["model"]),
+        "seconds": [tuple(p) for p in seconds] if seconds else None,
+        "seconds_source": source,
+    }
+
+
+def axis_curve(curve: list, axes: dict, axis: str) -> list[tuple[float, float]] | None:
+    """A (step, value) curve re-indexed by `axis` (None when the run lacks it)."""
+    if axis == "seconds":
+        if axes["seconds"] is None:
+            return None
+        at = dict(axes["seconds"])
+        if any(s not in at for s, _ in curve):
+            return None
+        return [(at[s], v) for s, v in curve]
+    per_step = axes[axis]
+    return None if per_step is None else [(s * per_step, v) for s, v in curve]
+
+
+def mean_axis_curve(report: dict, runs: list[dict], name: str, axis: str) -> list[tuple[float, float, float, float]]:
+    """(mean axis value, mean, min, max) over the runs' curves of metric `name`, at the steps every run has."""
+    curves = []
+    for run in runs:
+        curve = axis_curve(run["curves"].get(name, []), step_axes(report, run), axis)
+        if curve is None:
+            return []
+        curves.append(dict(zip((s for s, _ in run["curves"][name]), curve)))
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    points = []
+    for step in steps:
+        xs, ys = [c[step][0] for c in curves], [c[step][1] for c in curves]
+        points.append((statistics.fmean(xs), statistics.fmean(ys), min(ys), max(ys)))
+    return points
 
 
 def spread(values: list[float]) -> dict:
@@ -75,7 +155,54 @@ def main_runs(report: dict) -> list[dict]:
     return [r for r in report["runs"] if r.get("lr") == chosen.get(r["model"])]
 
 
-def aggregate(runs: list[dict], tasks: list[str]) -> dict:
+def value_at(curve: list[tuple[float, float]], x: float) -> float | None:
+    """The curve's value at axis position `x`, linear between its points (None outside them)."""
+    for (x0, v0), (x1, v1) in zip(curve, curve[1:]):
+        if x0 <= x <= x1:
+            return v0 if x1 == x0 else v0 + (v1 - v0) * (x - x0) / (x1 - x0)
+    return curve[-1][1] if curve and curve[-1][0] == x else None
+
+
+def axis_comparisons(report: dict, runs: list[dict], tasks: list[str]) -> dict:
+    """Per task and axis (tokens, FLOPs, seconds), the Transformer's and the DCFormer's mean validation-loss curves
+    compared: the losses at the largest budget both reached, and where each reaches the other's final loss."""
+    out = {}
+    for task in tasks:
+        out[task] = {}
+        for axis in AXES:
+            tf = mean_axis_curve(report, [r for r in runs if r["model"] == "transformer"], f"{task}_loss", axis)
+            dc = mean_axis_curve(report, [r for r in runs if r["model"] == "dcformer"], f"{task}_loss", axis)
+            if not tf or not dc:
+                out[task][axis] = None
+                continue
+            tf_curve, dc_curve = [(x, m) for x, m, _, _ in tf], [(x, m) for x, m, _, _ in dc]
+            budget = min(tf_curve[-1][0], dc_curve[-1][0])
+            out[task][axis] = {
+                "common_budget": budget,
+                "transformer_loss_at_budget": value_at(tf_curve, budget),
+                "dcformer_loss_at_budget": value_at(dc_curve, budget),
+                "transformer_final": tf_curve[-1][0],
+                "dcformer_final": dc_curve[-1][0],
+                "dcformer_reaches_transformer_final_loss": reach_step(dc_curve, tf_curve[-1][1]),
+                "transformer_reaches_dcformer_final_loss": reach_step(tf_curve, dc_curve[-1][1]),
+            }
+    return out
+
+
+def run_axes_totals(report: dict, run: dict) -> dict:
+    """The run's training tokens, FLOPs and seconds (training steps only) at its last step."""
+    axes = step_axes(report, run)
+    steps = report["setup"]["steps"]
+    seconds = axes["seconds"][-1][1] if axes["seconds"] else None
+    return {
+        "tokens": axes["tokens"] * steps,
+        "flops": axes["flops"] * steps if axes["flops"] is not None else None,
+        "seconds": seconds,
+        "seconds_source": axes["seconds_source"],
+    }
+
+
+def aggregate(runs: list[dict], tasks: list[str], report: dict | None = None) -> dict:
     summary = {}
     for kind in MODELS:
         mine = [r for r in runs if r["model"] == kind]
@@ -92,6 +219,14 @@ def aggregate(runs: list[dict], tasks: list[str]) -> dict:
             summary[kind]["lr"] = mine[0]["lr"]
             summary[kind]["parameters"] = mine[0]["parameters"]
             summary[kind]["tokens_per_second"] = spread([r["tokens_per_second"] for r in mine])
+        if report is not None:
+            totals = [run_axes_totals(report, r) for r in mine]
+            summary[kind]["axes"] = {
+                "tokens": totals[0]["tokens"],
+                "flops": totals[0]["flops"],
+                "seconds": spread([t["seconds"] for t in totals]) if all(t["seconds"] for t in totals) else None,
+                "seconds_source": totals[0]["seconds_source"] if all(t["seconds"] for t in totals) else None,
+            }
         for task in tasks:
             summary[kind][task] = {
                 metric: spread([r["final"][f"{task}_{metric}"] for r in mine]) for metric in task_metrics(task)
@@ -118,7 +253,10 @@ def aggregate(runs: list[dict], tasks: list[str]) -> dict:
                 "transformer_steps_to_dcformer_final_loss": reach_step(tf_curve, dc_curve[-1][1]),
                 "final_step": tf_curve[-1][0],
             }
-    return {"models": summary, "comparisons": comparisons}
+    result = {"models": summary, "comparisons": comparisons}
+    if report is not None and comparisons:
+        result["axis_comparisons"] = axis_comparisons(report, runs, tasks)
+    return result
 
 
 def fmt(s: dict, digits: int = 3, pct: bool = False) -> str:
@@ -266,10 +404,83 @@ def write_markdown(path: Path, report: dict) -> str:
             )
         else:
             lines.append(f"- {task}: neither mean curve reaches the other's final loss before the end.")
-    lines += sweep_lines(report) + norms_lines(agg)
+    lines += axes_lines(report) + sweep_lines(report) + norms_lines(agg)
     text = "\n".join(lines) + "\n"
-    path.write_text(text)
+    write_atomic(path, text)
     return text
+
+
+def fmt_axis(axis: str, value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if axis == "tokens":
+        return f"{value:,.0f}"
+    if axis == "flops":
+        return f"{value:.3g}"
+    return f"{value:,.0f} s"
+
+
+def axes_lines(report: dict) -> list[str]:
+    """The three axes: each model's budget in tokens, FLOPs and seconds, and the mean curves compared on each."""
+    agg = report["aggregate"]
+    kinds = [k for k in MODELS if "axes" in agg["models"].get(k, {})]
+    if not kinds:
+        return []
+    sources = {agg["models"][k]["axes"]["seconds_source"] for k in kinds}
+    note = {
+        "measured": "measured: the training steps only, evaluations excluded",
+        "estimated": "estimated as steps x the median step time: this JSON predates the per-evaluation record",
+    }
+    seconds_note = "; ".join(note[s] for s in sources if s in note) or "n/a: not recorded"
+    lines = [
+        "",
+        "Three axes (docs/evidence.md, \"Three axes\"): training tokens; training FLOPs counted from the shapes "
+        "(`modeling_dcformer.experiments.flops`: 3 x forward, causal attention pairs, DCMHA's projections and "
+        f"Compose included); training seconds on this machine ({seconds_note}). Mean over seeds.",
+        "",
+        "| model | training tokens | training FLOPs | FLOPs / token | training seconds | final val loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    tasks = report["setup"]["tasks"]
+    for kind in kinds:
+        axes = agg["models"][kind]["axes"]
+        loss = statistics.fmean(agg["models"][kind][t]["loss"]["mean"] for t in tasks)
+        per_token = axes["flops"] / axes["tokens"] if axes["flops"] is not None else None
+        seconds = fmt_axis("seconds", axes["seconds"]["mean"]) if axes["seconds"] else "n/a"
+        lines.append(
+            f"| {LABELS[kind]} | {fmt_axis('tokens', axes['tokens'])} | {fmt_axis('flops', axes['flops'])} | "
+            f"{fmt_axis('flops', per_token)} | {seconds} | {loss:.3f} |"
+        )
+    for task, by_axis in agg.get("axis_comparisons", {}).items():
+        for axis in AXES:
+            c = by_axis.get(axis)
+            if c is None:
+                lines.append(f"- {task}, {AXIS_LABELS[axis]}: n/a (not recorded for every run).")
+                continue
+            tf_loss, dc_loss = c["transformer_loss_at_budget"], c["dcformer_loss_at_budget"]
+            line = (
+                f"- {task}, {AXIS_LABELS[axis]}: at the largest budget both reached "
+                f"({fmt_axis(axis, c['common_budget'])}) the mean validation loss is {tf_loss:.3f} (Transformer) vs "
+                f"{dc_loss:.3f} (DCFormer), linear between evaluations"
+            )
+            dc_reach = c["dcformer_reaches_transformer_final_loss"]
+            tf_reach = c["transformer_reaches_dcformer_final_loss"]
+            if dc_reach is not None and dc_reach > 0:
+                tf_final = fmt_axis(axis, c["transformer_final"])
+                line += (
+                    f"; the DCFormer reaches the Transformer's final loss at {fmt_axis(axis, dc_reach)} "
+                    f"({dc_reach / c['transformer_final']:.2f}x the Transformer's {tf_final})"
+                )
+            elif tf_reach is not None and tf_reach > 0:
+                dc_final = fmt_axis(axis, c["dcformer_final"])
+                line += (
+                    f"; the Transformer reaches the DCFormer's final loss at {fmt_axis(axis, tf_reach)} "
+                    f"({tf_reach / c['dcformer_final']:.2f}x the DCFormer's {dc_final})"
+                )
+            else:
+                line += "; neither reaches the other's final loss"
+            lines.append(line + ".")
+    return lines
 
 
 def sweep_lines(report: dict) -> list[str]:
@@ -349,7 +560,53 @@ def plot_curves(path: Path, runs: list[dict], tasks: list[str]) -> None:
             ax.legend(fontsize=7)
     fig.suptitle("DCFormer vs Transformer (band: min-max over seeds)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+COLORS = dict(zip(MODELS, ("tab:blue", "tab:red", "tab:gray", "tab:green", "tab:purple", "tab:orange")))
+
+
+def draw_axes_row(axes_row, report: dict, runs: list[dict], task: str, title: str = "") -> None:
+    """Validation loss against tokens, FLOPs and seconds (one matplotlib axis each), mean and min-max band."""
+    for ax, axis in zip(axes_row, AXES):
+        drawn = False
+        for kind in MODELS:
+            mine = [r for r in runs if r["model"] == kind]
+            curve = mean_axis_curve(report, mine, f"{task}_loss", axis) if mine else []
+            if not curve:
+                continue
+            xs = [c[0] for c in curve]
+            ax.plot(xs, [c[1] for c in curve], color=COLORS[kind], label=f"{LABELS[kind]}, mean of {len(mine)}")
+            ax.fill_between(xs, [c[2] for c in curve], [c[3] for c in curve], color=COLORS[kind], alpha=0.2)
+            drawn = True
+        label = AXIS_LABELS[axis]
+        if axis == "seconds" and runs:
+            source = step_axes(report, runs[0])["seconds_source"]
+            label += " (estimated: steps x median step time)" if source == "estimated" else ""
+        ax.set_xlabel(label, fontsize=8)
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"{title}{task}: loss vs {AXIS_LABELS[axis]}", fontsize=9)
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "n/a (not recorded)", ha="center", va="center", transform=ax.transAxes)
+
+
+def plot_axes(path: Path, report: dict, runs: list[dict], tasks: list[str]) -> None:
+    """curves_axes.png: each task's validation loss against the three axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(tasks), 3, figsize=(16, 4.2 * len(tasks)), squeeze=False)
+    for row, task in enumerate(tasks):
+        draw_axes_row(axes[row], report, runs, task)
+    fig.suptitle("DCFormer vs Transformer on three axes (band: min-max over seeds)")
+    fig.tight_layout()
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -377,7 +634,7 @@ def plot_norms(path: Path, runs: list[dict]) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return True
 
@@ -401,6 +658,7 @@ def scaling_rows(reports: list[dict]) -> list[dict]:
                 "perplexity": m[task]["perplexity"] if task == "lm" else None,
                 "tokens_per_second": m.get("tokens_per_second", {}).get("mean"),
                 "seeds": len(m["seeds"]),
+                "axes": m.get("axes"),
             }
         rows.append(row)
     return rows
@@ -408,15 +666,16 @@ def scaling_rows(reports: list[dict]) -> list[dict]:
 
 def write_scaling(out: Path, reports: list[dict]) -> str:
     rows = scaling_rows(reports)
-    (out / "scaling.json").write_text(json.dumps({"folders": [r["folder"] for r in rows], "rows": rows}, indent=1))
+    write_atomic(out / "scaling.json", json.dumps({"folders": [r["folder"] for r in rows], "rows": rows}, indent=1))
     lines = [
         "# DCFormer vs Transformer at several sizes",
         "",
         "Final validation loss, mean ± std [min, max] over seeds; Δ = DCFormer − Transformer (negative: DCFormer "
         "ahead). Each size's own tables are in its folder.",
         "",
-        "| hidden / heads / layers | model | parameters | lr | val loss | perplexity | tokens/s | Δ loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| hidden / heads / layers | model | parameters | lr | val loss | perplexity | tokens/s | training FLOPs | "
+        "training seconds | Δ loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         s = row["shape"]
@@ -428,10 +687,22 @@ def write_scaling(out: Path, reports: list[dict]) -> str:
             speed = f"{m['tokens_per_second']:,.0f}" if m["tokens_per_second"] else "–"
             lr = f"{m['lr']:g}" if m["lr"] else "–"
             params = f"{m['parameters']:,}" if m["parameters"] else "–"
-            cells = [size, LABELS[kind], params, lr, fmt(m["loss"]), ppl, speed, delta]
+            axes = m.get("axes") or {}
+            flops = fmt_axis("flops", axes.get("flops"))
+            seconds = axes.get("seconds")
+            seconds = "n/a" if not seconds else ("≈ " if axes["seconds_source"] == "estimated" else "") + fmt_axis(
+                "seconds", seconds["mean"]
+            )
+            cells = [size, LABELS[kind], params, lr, fmt(m["loss"]), ppl, speed, flops, seconds, delta]
             lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Training seconds: the training steps only, mean over seeds; ≈: estimated as steps x the median step time "
+        "(results written before the per-evaluation record). FLOPs: `modeling_dcformer.experiments.flops`. Loss "
+        "against tokens, FLOPs and seconds per size: scaling_axes.png.",
+    ]
     text = "\n".join(lines) + "\n"
-    (out / "scaling.md").write_text(text)
+    write_atomic(out / "scaling.md", text)
 
     import matplotlib
 
@@ -453,7 +724,17 @@ def write_scaling(out: Path, reports: list[dict]) -> str:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "scaling.png", dpi=110)
+    save_figure(fig, out / "scaling.png")
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(reports), 3, figsize=(16, 4.2 * len(reports)), squeeze=False)
+    for row, (report, info) in enumerate(zip(reports, rows)):
+        s = info["shape"]
+        title = f"hidden {s['hidden_size']}, {s['num_hidden_layers']} layers — "
+        draw_axes_row(axes[row], report, main_runs(report), report["setup"]["tasks"][0], title)
+    fig.suptitle("DCFormer vs Transformer per size on three axes (band: min-max over seeds)")
+    fig.tight_layout()
+    save_figure(fig, out / "scaling_axes.png")
     plt.close(fig)
     return text
 
@@ -464,8 +745,9 @@ def write_scaling(out: Path, reports: list[dict]) -> str:
 def write_reports(out: Path, report: dict) -> str:
     tasks = report["setup"]["tasks"]
     runs = main_runs(report)
-    report["aggregate"] = aggregate(runs, tasks)
+    report["aggregate"] = aggregate(runs, tasks, report)
     plot_curves(out / "curves.png", runs, tasks)
+    plot_axes(out / "curves_axes.png", report, runs, tasks)
     plot_norms(out / "dyn_norms.png", runs)
     return write_markdown(out / "results.md", report)
 
@@ -486,7 +768,7 @@ def report_only(out: Path) -> dict:
     if not report.get("runs"):
         raise SystemExit(f"compare_small.py: error: --report-only: {path} holds no finished run")
     print(write_reports(out, report))
-    path.write_text(json.dumps(report, indent=1))
+    write_atomic(path, json.dumps(report, indent=1))
     return report
 
 

@@ -198,6 +198,12 @@ def train_one(kind: str, seed: int, lr: float, args, configs: dict, data: dict, 
     final = {name: points[-1][1] for name, points in curves.items()}
     train_losses = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
     step_seconds = statistics.median(timer.steady_seconds())
+    # the wall-clock axis: training seconds (evaluations excluded) spent up to each evaluated step
+    elapsed = [0.0]
+    for value in timer.seconds:
+        elapsed.append(elapsed[-1] + value)
+    eval_steps = sorted({s for points in curves.values() for s, _ in points})
+    seconds_at_step = [(s, elapsed[min(s, len(elapsed) - 1)]) for s in eval_steps]
     del trainer, model
     return {
         "model": kind,
@@ -207,6 +213,7 @@ def train_one(kind: str, seed: int, lr: float, args, configs: dict, data: dict, 
         "train_seconds": seconds,
         "train_runtime": result.metrics.get("train_runtime"),
         "step_seconds_median": step_seconds,
+        "train_seconds_at_step": seconds_at_step,
         "tokens_per_second": data["tokens_per_step"] / step_seconds,
         "final_train_loss": train_losses[-1][1] if train_losses else None,
         "train_loss_curve": train_losses,
