@@ -214,7 +214,8 @@ def test_qlora_trainer_steps_then_adapter_reload(saved, tmp_path):
     config = quantization_config("bnb-4bit-nf4")
     base = DCFormerForCausalLM.from_pretrained(path, quantization_config=config)
     base = peft.prepare_model_for_kbit_training(base)  # with gradient checkpointing, as the docs recipe
-    model = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0))
+    model = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+                                                           target_modules="all-linear"))
     lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert lora_before and all("lora_" in n for n in lora_before)  # only the adapters train on the 4-bit base
     generator = torch.Generator().manual_seed(0)
