@@ -52,7 +52,7 @@ def test_bad_options_are_argparse_errors(real_scale, capsys, argv, message):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.expensive  # a minute and more of CPU: pytest -m expensive
 def test_tiny_end_to_end_run_reports_every_phase_and_leaves_nothing_behind(tmp_path):
     work, out_json = tmp_path / "work", tmp_path / "rs.json"
     env = dict(os.environ, OMP_NUM_THREADS="1",

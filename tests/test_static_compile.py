@@ -20,7 +20,7 @@ NEW = 6
 
 
 @pytest.mark.parametrize("backend", [
-    pytest.param("aot_eager", marks=pytest.mark.slow),
+    pytest.param("aot_eager", marks=pytest.mark.expensive),  # ~1.5 min of tracing: -m expensive
     pytest.param("inductor", marks=pytest.mark.expensive),
 ])
 def test_compiled_static_cache_greedy_generation_equals_eager(backend):
