@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+from bench_train_step import timed, top_ops  # one timer and profile table (benchmarks/ is on sys.path)
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,24 +66,6 @@ def make_step(model, phase: str, args, vocab: int):
                 model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.decode_new,
                                min_new_tokens=args.decode_new, do_sample=False)
     return step
-
-
-def timed(step) -> float:
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
-
-
-def top_ops(step, rows: int) -> str:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events) or 1
-    lines = []
-    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:rows]:
-        lines.append(f"    {e.key:<40} {e.count:>6} calls {e.self_cpu_time_total / 1e3:>10.2f} ms "
-                     f"{100 * e.self_cpu_time_total / total:>5.1f}%")
-    return f"  total {total / 1e3:.1f} ms\n" + "\n".join(lines)
 
 
 def main(argv=None) -> int:

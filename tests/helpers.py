@@ -242,3 +242,16 @@ def load_example(name: str):
     sys.modules[spec.name] = module  # dataclasses and pickling look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def train_argv(out, train_file, *extra) -> list[str]:
+    """dcformer-train's arguments: a tiny DCFormer trained on `train_file` into `out` (test_faults and
+    test_train_faults)."""
+    return [
+        "--config_name", "dcformer-tiny", "--config_overrides", "hidden_size=32,intermediate_size=64",
+        "--new_tokenizer_vocab_size", "300", "--train_file", str(train_file), "--block_size", "32",
+        "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--logging_steps", "1",
+        "--output_dir", str(out), "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
+        "--dataloader_num_workers", "0", "--do_train", "--save_strategy", "steps",
+        "--cache_dir", str(Path(out).parent / "datasets-cache"), *extra,
+    ]  # fmt: skip

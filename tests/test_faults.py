@@ -26,6 +26,7 @@ import modeling_dcformer  # noqa: F401  (registers the Auto classes)
 from modeling_dcformer.conversion import caiyun_to_hf, common
 from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, atomic_dir
+from helpers import train_argv
 from released_checkpoint import released_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -457,15 +458,6 @@ def train_clm():
     return module
 
 
-def train_argv(out, train_file, *extra):
-    return [
-        "--config_name", "dcformer-tiny", "--config_overrides", "hidden_size=32,intermediate_size=64",
-        "--new_tokenizer_vocab_size", "300", "--train_file", str(train_file), "--block_size", "32",
-        "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--logging_steps", "1",
-        "--output_dir", str(out), "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-        "--dataloader_num_workers", "0", "--do_train", "--save_strategy", "steps",
-        "--cache_dir", str(Path(out).parent / "datasets-cache"), *extra,
-    ]  # fmt: skip
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 from modeling_dcformer.experiments import train_clm
 
+from helpers import train_argv as shared_train_argv
+
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,14 +28,7 @@ HARBOUR_VALID = ROOT / "examples" / "data" / "harbour_validation.txt"
 
 
 def train_argv(out, train_file=HARBOUR, *extra):
-    return [
-        "--config_name", "dcformer-tiny", "--config_overrides", "hidden_size=32,intermediate_size=64",
-        "--new_tokenizer_vocab_size", "300", "--train_file", str(train_file), "--block_size", "32",
-        "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--logging_steps", "1",
-        "--output_dir", str(out), "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-        "--dataloader_num_workers", "0", "--do_train", "--save_strategy", "steps",
-        "--cache_dir", str(Path(out).parent / "datasets-cache"), *extra,
-    ]  # fmt: skip
+    return shared_train_argv(out, train_file, *extra)
 
 
 def one_line_error(argv, capsys) -> str:
