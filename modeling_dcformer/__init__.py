@@ -10,9 +10,10 @@ nothing in other libraries: LoRA targets are named in `LoraConfig` (`target_modu
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache_dcformer import DCFormerCache
-from .configuration_dcformer import DCFormerConfig, DCPythiaConfig
+from .configuration_dcformer import DCFormerConfig
 from .dcmha import DCMHA_BACKENDS, DCMHABackend, DCMHAInputs, DCMHAInterface
 from .modeling_dcformer import DCFormerForCausalLM, DCFormerModel, DCFormerPreTrainedModel
+from .released_format import DCPythiaConfig
 
 AutoConfig.register(DCFormerConfig.model_type, DCFormerConfig, exist_ok=True)
 # The released Caiyun-AI/DCPythia-6.9B config: loads as the equivalent DCFormerConfig.

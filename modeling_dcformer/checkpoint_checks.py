@@ -1,10 +1,9 @@
-"""What a checkpoint must agree with its config, checked after `from_pretrained` has loaded it.
+"""What a checkpoint must agree with its config, checked when `from_pretrained` loads it (travels as remote code).
 
-transformers only logs a load report when a checkpoint and its config disagree; for DCFormer that report hides
-a changed function (a config with `use_qk_norm=False` silently skips the trained q/k norms). Here each tensor the
-config leaves unused, lacks or shapes differently is traced back to the config field responsible, and a
-tensor stored with an integer or boolean dtype, which transformers would cast to floats without a word, is
-refused. Self-contained (standard library, torch, transformers) so that it travels with the remote code.
+transformers only logs a report when a checkpoint and its config disagree, which hides a changed function (a config
+with `use_qk_norm=False` skips the trained q/k norms). Here each tensor the config leaves unused, lacks or shapes
+differently is traced to the config field responsible; integer tensors where floats are meant (transformers would
+cast them) and unreadable weight files are one clear error each.
 """
 
 import json
@@ -16,7 +15,12 @@ from pathlib import Path
 
 import torch
 
-from .released_format import IGNORED_RE, RELEASED_KEY, SPLIT_QKV
+try:  # the released layout's names: installed package only (remote code refuses a released config)
+    from modeling_dcformer.released_format import IGNORED_RE, RELEASED_KEY, SPLIT_QKV
+
+    RELEASED_NAMES = r"|^(" + RELEASED_KEY + r")$|" + SPLIT_QKV.pattern
+except ImportError:
+    IGNORED_RE, RELEASED_NAMES = re.compile(r"(?!)"), ""
 
 # Which config field decides whether a (native, "model."-free) tensor exists.
 PRESENCE_FIELDS = [
@@ -202,10 +206,8 @@ def checkpoint_files(source, *, subfolder: str = "", **hub_kwargs) -> list[Path]
     return []
 
 
-# DCFormer's own tensor names: ours ("model." optional, lm_head) and the released layout's (released_format.py).
-DCFORMER_KEY = re.compile(
-    r"^(model\.)?(layers\.\d+\.|embed_tokens\.|norm\.)|^lm_head\.|^(" + RELEASED_KEY + r")$|" + SPLIT_QKV.pattern
-)
+# DCFormer's own tensor names: ours ("model." optional, lm_head) and the released layout's.
+DCFORMER_KEY = re.compile(r"^(model\.)?(layers\.\d+\.|embed_tokens\.|norm\.)|^lm_head\." + RELEASED_NAMES)
 # Tensors no quantizer of transformers replaces (bitsandbytes and torchao quantize nn.Linear weights, and with
 # options the embeddings and the output head): norms, biases and the dynamic-weight generator's raw parameters
 # dw1/qkw/dd, which are not nn.Linear and stay in the compute dtype. Integers there are corrupt even in a quantized
@@ -337,43 +339,3 @@ def describe_unreadable(source, *, subfolder: str = "", **hub_kwargs) -> str | N
         if path.suffix == ".safetensors" and (problem := _safetensors_problem(path)):
             return problem
     return None
-
-
-
-def quantization_summary(config) -> str | None:
-    """One sentence saying how a model was quantized, for its model card; None for a model that is not.
-
-    Reads `config.quantization_config` (transformers' config object after a load, or the dict of a config.json):
-    bitsandbytes 8-bit or 4-bit (with its type, compute dtype and double quantization), torchao (its config's type),
-    or any other method by name. The dynamic-weight generator (dw1, qkw, dd) and the norms are never quantized:
-    transformers' quantizers replace nn.Linear layers (and, when asked, embeddings), which they are not."""
-    quantization = getattr(config, "quantization_config", None)
-    if not quantization:
-        return None
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
-    method = quantization.get("quant_method", "unknown")
-    if method == "bitsandbytes" and quantization.get("load_in_4bit"):
-        details = [quantization.get("bnb_4bit_quant_type", "fp4")]
-        if quantization.get("bnb_4bit_compute_dtype"):
-            details.append(f"compute dtype {quantization['bnb_4bit_compute_dtype']}")
-        if quantization.get("bnb_4bit_use_double_quant"):
-            details.append("double quantization")
-        how = f"bitsandbytes 4-bit ({', '.join(details)})"
-    elif method == "bitsandbytes" and quantization.get("load_in_8bit"):
-        how = f"bitsandbytes 8-bit (LLM.int8, outlier threshold {quantization.get('llm_int8_threshold', 6.0)})"
-    elif method == "torchao":
-        kind = quantization.get("quant_type")
-        if isinstance(kind, dict):  # {"default": {"_type": "Int8WeightOnlyConfig", ...}} as transformers writes it
-            kind = (kind.get("default") or next(iter(kind.values()), {})).get("_type", "") if kind else ""
-        how = f"torchao ({kind})" if kind else "torchao"
-    else:
-        how = str(method)
-    skipped = quantization.get("llm_int8_skip_modules") or quantization.get("modules_to_not_convert")
-    kept = f"; also kept unquantized: {', '.join(map(str, skipped))}" if skipped else ""
-    library = {"bitsandbytes": "bitsandbytes", "torchao": "torchao"}.get(method, "the quantization library")
-    return (
-        f"Quantized with {how}: the linear layers' weights are stored quantized; the norms and DCMHA's dynamic-weight "
-        f"generator (dw1, qkw, dd: raw parameters, not linear layers) stay in floating point{kept}. Loading it needs "
-        f"{library} installed."
-    )

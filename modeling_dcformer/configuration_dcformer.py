@@ -1,8 +1,5 @@
 """Configuration of DCFormer: a GPT-NeoX (DCPythia) or LLaMA-style (DCFormer++) body with DCMHA attention.
-
-Self-contained (imports only `transformers` and the standard library) so that it can travel to the Hub
-as remote code next to `modeling_dcformer.py`.
-"""
+Travels as remote code next to `modeling_dcformer.py`."""
 
 import math
 import os
@@ -14,11 +11,31 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 from .dcmha_base import implementation_names
-from .released_format import is_released_config, translate_released_config
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DYNAMIC_INITS = ("authors", "normal")
+POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "max_position_embeddings", "num_head_groups", "dynamic_rank", "attention_chunk_size")
+
+
+def is_released_config(config_dict: dict) -> bool:
+    """A config in the authors' released key names (`dim`, `n_layer`, `n_head`) rather than ours."""
+    return "dim" in config_dict and "n_layer" in config_dict and "hidden_size" not in config_dict
+
+
+def released_format(where: str = "this config"):
+    """`modeling_dcformer.released_format`, which reads the authors' released checkpoints. It comes with the installed
+    package only, not with a save's remote code (a save is in our names): without the package, one error."""
+    try:
+        from modeling_dcformer import released_format as module
+    except ImportError:
+        raise ValueError(
+            f"{where} is in the layout of the authors' released DCFormer checkpoints (keys dim, n_layer, n_head): "
+            "reading it needs the modeling_dcformer package (pip install modeling-dcformer), or convert it once with "
+            "dcformer-convert-released"
+        ) from None
+    return module
 
 
 def check_attn_implementation(value: str, dcmha_implementation: str | None = None) -> str:
@@ -43,12 +60,8 @@ def check_attn_implementation(value: str, dcmha_implementation: str | None = Non
 
 
 def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[bool]:
-    """Per-layer "is local" flags for a window pattern.
-
-    `None` means the default pattern "LG" (even layers local, odd layers global). A pattern is a string
-    of `L` (local) and `G` (global) letters, each optionally followed by a repeat count, repeated over the
-    layers: "LGLL" is [L, G, L, L]; "LGL6" is [L, G, L, L, L, L, L, L].
-    """
+    """Per-layer "is local" flags: `L` (local) and `G` (global) letters, each optionally followed by a repeat count,
+    repeated over the layers ("LGLL" is [L, G, L, L]; "LGL6" is [L, G, L, L, L, L, L, L]; None is "LG")."""
     pattern = "LG" if window_type is None else window_type
     if not isinstance(pattern, str) or not re.fullmatch(r"([LG]\d*)+", pattern):
         raise ValueError(
@@ -68,59 +81,33 @@ def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[b
 class DCFormerConfig(PreTrainedConfig):
     r"""
     Configuration of a DCFormer model: a decoder-only Transformer whose attention is DCMHA (Dynamically
-    Composable Multi-Head Attention, Xiao et al., ICML 2024).
+    Composable Multi-Head Attention, Xiao et al., ICML 2024). One config covers both released bodies: DCPythia
+    (GPT-NeoX style, the default: layernorm, parallel residual, gelu, biases, partial_rotary_factor=0.25) and
+    DCFormer++ (LLaMA style: `norm_type="rmsnorm"`, `use_parallel_residual=False`, `hidden_act="silu"`,
+    `use_gated_mlp=True`, `attention_bias=mlp_bias=False`, `partial_rotary_factor=1.0`).
 
-    One config covers both released bodies:
-    - DCPythia (GPT-NeoX style, the default): `norm_type="layernorm"`, `use_parallel_residual=True`,
-      `hidden_act="gelu"`, `use_gated_mlp=False`, biases on, `partial_rotary_factor=0.25`.
-    - DCFormer++ (LLaMA style): `norm_type="rmsnorm"`, `use_parallel_residual=False`, `hidden_act="silu"`,
-      `use_gated_mlp=True` (SwiGLU), `attention_bias=mlp_bias=False`, `partial_rotary_factor=1.0`.
-
-    DCMHA options:
-        use_dcmha (`bool`, defaults to `True`): compose heads; `False` is plain multi-head attention.
-        use_qk_norm (`bool`, defaults to `False`): RMSNorm (learned scale, eps `qk_norm_eps`) on q and k per head.
-        window_size (`int`, *optional*): keys a local layer sees, the current one included. `None`: every layer global.
-        window_type (`str`, *optional*): which layers are local when `window_size` is set; see `parse_window_type`.
-        layer_types (`list[str]`, *optional*): explicit per-layer "sliding_attention"/"full_attention"; derived from
-            `window_size`/`window_type` when not given.
-        query_wise (`bool`, defaults to `False`): only the query-wise composition terms (an ablation in the paper).
-        num_head_groups (`int`, defaults to 1): heads are composed within groups of `num_attention_heads / groups`.
-        dynamic_rank (`int`, defaults to 2): rank I of each low-rank dynamic term.
-        dynamic_hidden_size (`int`, *optional*): width K of the dynamic-weight MLP per group and slot,
-            `4 * num_attention_heads / num_head_groups` when not given.
-        attention_chunk_size (`int`, defaults to 128): queries processed at a time by the attention, bounding its
-            memory to (heads x chunk x visible keys). Measured on a CPU (Pythia-160M shape, T=1024, "compiled"):
-            128 beats 256 (prefill attention ~10% faster, training step 1.19x instead of 1.24x GPT-NeoX's) by
-            computing fewer masked scores above the causal diagonal (12% more than the causal triangle instead of
-            25%) with the scores in cache; 64 is slower again (per-chunk overhead). Local layers use chunks of at
-            most max(64, window_size // 2) queries, so that the keys a chunk touches (chunk + window - 1) stay close
-            to the window band.
-        attention_recompute (`bool`, defaults to `True`): in training, recompute each chunk's attention in the
-            backward pass instead of keeping its (heads x chunk x keys) intermediates.
-        dcmha_implementation (`str`, defaults to `"auto"`): how a chunk of attention is computed; every choice gives
-            the same numbers (to float rounding). `"eager"`: PyTorch ops, one at a time. `"compiled"`: each Compose
-            step (with the mask) as two stages through `torch.compile`, each one generated loop over the scores; the
-            matrix products and the softmax are PyTorch's own kernels; the first call of each kind compiles
-            (seconds). `"kernel"`: CPU, inference only (no gradients): a C function (`cpu_kernel.py`, built
-            on first use with the system's C compiler, about a second, cached in `~/.cache/dcformer`) does Compose,
-            mask, softmax and Compose in place between the two matrix products, a few query rows at a time in the
-            core's cache; elsewhere it is an error that says why. `"triton"`: CUDA, forward and backward:
-            flash-style Triton kernels (`triton_kernel.py`; `pip install triton`) that recompute the scores block
-            by block and never store a (heads x queries x keys) tensor; calls with `output_attentions` run `"eager"`.
-            On a CPU it runs only under Triton's interpreter (`TRITON_INTERPRET=1`, slow: for tests).
-            `"auto"`: `"kernel"` where it applies (CPU, nothing needs gradients: prefill, decoding, evaluation)
-            and a C compiler is found; otherwise `"compiled"` for attention calls big enough to pay for
-            it (training at real sizes) on a device torch.compile can generate code for (CPU with a C++ compiler,
-            CUDA with Triton), else `"eager"`. If building either fails, a warning, and `"auto"` does without it.
-            `"auto"` does not choose `"triton"` yet: its speed against `"compiled"` has not been measured on a GPU.
-            transformers' `attn_implementation` (config, `from_pretrained`, `from_config`, `set_attn_implementation`)
-            is a second name for this field; its own values ("sdpa", "flash_attention_2", ...) are an error.
-        dynamic_init (`str`, defaults to `"authors"`): how `dw1`, `qkw` and `dd` are initialised in a model built from
-            its config (training from scratch). `"authors"`: normal with the standard deviations of the authors'
-            training code, sqrt(2 / (D + K)) for dw1, sqrt(1 / K) * 2 / (M + I) * 0.01 for qkw and
-            sqrt(2 / (D + M)) * 0.005 for dd, so the composition starts close to the identity. `"normal"`: standard
-            deviation `initializer_range` for all three (this package's earlier default). Weights loaded from a
-            checkpoint and the Pythia converter's exact start are not affected.
+    DCMHA options (docs/implementations.md has the details):
+        use_dcmha (`bool`, True): compose heads; `False` is plain multi-head attention.
+        use_qk_norm (`bool`, False): RMSNorm (learned scale, eps `qk_norm_eps`) on q and k per head.
+        window_size (`int`, *optional*): keys a local layer sees, the current one included; `None`: all global.
+        window_type (`str`, *optional*): which layers are local ("LG", "LGLL", "LGL6"; see `parse_window_type`).
+        layer_types (`list[str]`, *optional*): per-layer "sliding_attention"/"full_attention", else derived.
+        query_wise (`bool`, False): only the query-wise composition terms (an ablation in the paper).
+        num_head_groups (`int`, 1): heads are composed within groups of `num_attention_heads / groups`.
+        dynamic_rank (`int`, 2): rank I of each low-rank dynamic term.
+        dynamic_hidden_size (`int`, *optional*): width K of the dynamic-weight MLP per group and slot
+            (default `4 * num_attention_heads / num_head_groups`).
+        attention_chunk_size (`int`, 128): queries attended at a time (memory: heads x chunk x visible keys);
+            local layers use chunks of at most max(64, window_size // 2) queries.
+        attention_recompute (`bool`, True): in training, recompute each chunk's attention in the backward pass.
+        dcmha_implementation (`str`, "auto"): how attention is computed, the same numbers to float rounding:
+            "eager" (PyTorch ops, the reference), "compiled" (torch.compile'd Compose stages), "kernel" (CPU C++
+            operator, inference only), "triton" (CUDA kernels), "auto" (the kernel where it applies, "compiled" for
+            big calls, else "eager"), or a backend registered with `DCMHAInterface.register`. transformers'
+            `attn_implementation` is a second name for this field; its own values ("sdpa", ...) are an error.
+        dynamic_init (`str`, "authors"): initialisation of dw1, qkw and dd in a model built from its config:
+            "authors" (the authors' standard deviations: composition starts near the identity) or "normal"
+            (`initializer_range` for all three).
     """
 
     model_type = "dcformer"
@@ -198,21 +185,10 @@ class DCFormerConfig(PreTrainedConfig):
         self.validate_dcmha()
         self.validate_dynamic_init()
 
-    # The checks are the strict dataclass's class validators (`validate_*`): called here first, so that a bad value
-    # is a ValueError naming the field when the config is built, and run again by `config.validate()`, which
-    # `save_pretrained` calls, so that a value changed after construction is checked before it is written.
+    # The strict dataclass's validators (`validate_*`): run when the config is built, and by `config.validate()`
+    # (which `save_pretrained` calls), so a value changed after construction is checked before it is written.
     def validate_sizes(self):
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "num_head_groups",
-            "dynamic_rank",
-            "attention_chunk_size",
-        ):
+        for name in POSITIVE_INTS:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -285,10 +261,9 @@ class DCFormerConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """Also accepts the authors' released config files (keys `dim`, `n_layer`, `n_head`, ...; model_type
-        "dcpythia" or "dcformer"), translated to ours."""
+        """Also accepts the authors' released configs (keys `dim`, `n_layer`, `n_head`), translated to ours."""
         if is_released_config(config_dict):
-            config_dict = translate_released_config(config_dict)
+            config_dict = released_format().translate_released_config(config_dict)
         if kwargs.get("attn_implementation") is not None:  # a load's kwargs: transformers' name for ours, checked here
             attn_implementation = kwargs.pop("attn_implementation")
             kwargs["dcmha_implementation"] = check_attn_implementation(
@@ -298,14 +273,15 @@ class DCFormerConfig(PreTrainedConfig):
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
-        """transformers' reading of config.json, refusing a file without `model_type` (a released config in the
-        authors' key names excepted, whose type defaults to "dcpythia"): the Auto classes could not tell such a
-        folder from remote code, and a config of another model would load as DCFormer's defaults."""
+        """transformers' reading of config.json, refusing a file without `model_type` (a released config excepted):
+        the Auto classes could not tell such a folder from remote code, and another model's config would load as
+        DCFormer's defaults. A released config without the package to read it is refused naming the file."""
         config_dict, unused = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        if config_dict and "model_type" not in config_dict and not is_released_config(config_dict):
-            name = str(pretrained_model_name_or_path)
-            subfolder = kwargs.get("subfolder") or ""
-            where = os.path.join(name, subfolder, "config.json") if os.path.isdir(name) else f"config.json of {name!r}"
+        name, subfolder = str(pretrained_model_name_or_path), kwargs.get("subfolder") or ""
+        where = os.path.join(name, subfolder, "config.json") if os.path.isdir(name) else f"config.json of {name!r}"
+        if config_dict and is_released_config(config_dict):
+            released_format(where)
+        elif config_dict and "model_type" not in config_dict:
             raise ValueError(
                 f"{where} has no \"model_type\": a DCFormer config says \"model_type\": \"dcformer\"; add that line "
                 "(without it transformers' Auto classes cannot tell the model and ask to run remote code)"
@@ -337,12 +313,9 @@ class DCFormerConfig(PreTrainedConfig):
         """C: (pre-query, pre-key, post-query, post-key), or only the query slots when `query_wise`."""
         return 2 if self.query_wise else 4
 
-    # transformers' attention choice. DCMHA has implementations of its own and none of transformers' (sdpa, flash,
-    # flex): `attn_implementation` (config, `from_pretrained`, `from_config`, `set_attn_implementation`) is a second
-    # name for `dcmha_implementation`, and `_attn_implementation` reads it, so it always says what runs. As in
-    # transformers, setting `config._attn_implementation` to one of transformers' own functions is not an error by
-    # itself (its common model tests do it on every config): the value is kept as a request, `_attn_implementation`
-    # reads it back, and building a model from the config refuses it (`_check_and_adjust_attn_implementation`).
+    # `attn_implementation` is a second name for `dcmha_implementation`, and `_attn_implementation` reads it. As in
+    # transformers, setting it to one of transformers' own functions is kept as a request (its common tests do it on
+    # every config), and building a model from the config refuses it (`_check_and_adjust_attn_implementation`).
     @property
     def _attn_implementation(self) -> str:
         requested = self.__dict__.get("_attn_implementation_internal")
@@ -362,8 +335,7 @@ class DCFormerConfig(PreTrainedConfig):
         except ValueError:
             self.__dict__["_attn_implementation_internal"] = value
 
-    # Every DCMHA implementation returns the attention probabilities ("triton" leaves such calls to "eager"), so
-    # output_attentions needs no particular attn_implementation, unlike transformers' models (there only "eager").
+    # Every DCMHA implementation returns the probabilities: output_attentions needs no particular implementation.
     @property
     def output_attentions(self) -> bool:
         return self._output_attentions
@@ -389,19 +361,4 @@ class DCFormerConfig(PreTrainedConfig):
         return cls.from_dict({**json.loads(preset_file(name).read_text()), **kwargs})
 
 
-class DCPythiaConfig(DCFormerConfig):
-    """model_type "dcpythia" of the released Caiyun-AI/DCPythia-6.9B: loading such a config gives the
-    equivalent `DCFormerConfig` (our names, model_type "dcformer")."""
-
-    model_type = "dcpythia"
-
-    @classmethod
-    def from_dict(cls, config_dict: dict, **kwargs):
-        config_dict = dict(config_dict)
-        config_dict.setdefault("model_type", "dcpythia")
-        if not is_released_config(config_dict):
-            raise ValueError("a model_type 'dcpythia' config must carry the released keys dim, n_layer, n_head")
-        return DCFormerConfig.from_dict(config_dict, **kwargs)
-
-
-__all__ = ["DCFormerConfig", "DCPythiaConfig", "parse_window_type"]
+__all__ = ["DCFormerConfig", "parse_window_type"]

@@ -1,26 +1,19 @@
-"""Saving and sharing DCFormer models: what `save_pretrained` and `push_to_hub` add to transformers' own.
+"""Saving and sharing DCFormer models (installed package only; a save's remote code is only what computes).
 
-`DCFormerPreTrainedModel.save_pretrained` calls `save_pretrained` here (where this package is installed; a model
-loaded as remote code without it saves with transformers' plain `save_pretrained`, which still copies the remote
-code and its `auto_map`):
-- transformers writes the config and weights, and copies the remote code (`custom_object_save`: the classes are
-  registered with `register_for_auto_class`) into a hidden sibling of the destination (`atomic_dir.replacing`),
-- `finish_directory` points config.json's `auto_map` at every Auto class (or removes code and `auto_map` with
-  `remote_code=False`), names the save (`save_id`: a load that sees the folder replaced meanwhile reads it again)
-  and writes the model card (`model_card.py`),
-- the sibling takes the destination's place in one step; with `push_to_hub` the complete folder is uploaded.
-Uploads that fail raise `HubUploadError`: one message naming the Hub, the repository, the folder and the command
-that retries (the cause is kept in `.cause`, not chained into the traceback).
-
-This module, `atomic_dir.py` and `model_card.py` stay in the installed package: a saved model's remote code is only
-what computes (config, model, cache, DCMHA interface and its PyTorch backends, load-time checks).
+- `save_pretrained`: transformers' save into a hidden sibling of the destination (`atomic_dir.replacing`), then
+  `finish_directory` (config.json's `auto_map` for the remote code, a new `save_id`, the model card), then the
+  sibling takes the destination's place; with `push_to_hub=True` the complete folder is uploaded.
+- `push_to_hub`: transformers' `PushToHubMixin.push_to_hub` (create_repo, the Hub's card tagged with the model's
+  tags, save into a temporary folder, upload) with this package's save; its upload step (the model's
+  `_upload_modified_files`) is `upload_pushed`, which puts DCFormer's card back where transformers wrote the Hub's
+  card or a blank one, unless the Hub's card is the user's.
+A failed upload is one `HubUploadError` naming the Hub, the repository and the retry (the cause in `.cause`).
 """
 
 import json
 import os
 import re
 import shlex
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -28,7 +21,7 @@ from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils import logging
 
 from . import atomic_dir
-from .model_card import card_options, write_model_card
+from .model_card import card_options, is_generated_card, write_model_card
 
 logger = logging.get_logger(__name__)
 
@@ -37,8 +30,7 @@ AUTO_MAP = {
     "AutoModel": "modeling_dcformer.DCFormerModel",
     "AutoModelForCausalLM": "modeling_dcformer.DCFormerForCausalLM",
 }
-# config.json's random id of each save: `DCFormerPreTrainedModel.from_pretrained` compares it before and after a load
-SAVE_ID_KEY = "save_id"
+SAVE_ID_KEY = "save_id"  # config.json's random id of each save: a load that sees it change reads the config again
 # Weight files of an earlier save: never carried into a new save (they are what it replaces).
 _WEIGHT_FILE = re.compile(
     r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)$"
@@ -46,26 +38,25 @@ _WEIGHT_FILE = re.compile(
 )
 UPLOAD_KEYS = ("private", "token", "commit_message", "commit_description", "create_pr", "revision",
                "overwrite_model_card")
+# What transformers' `create_and_tag_model_card` writes when the Hub repository has no card yet.
+BLANK_CARD = "This is the model card of a 🤗 transformers model that has been pushed on the Hub."
 
 
 def remote_code_files() -> list[Path]:
-    """`modeling_dcformer.py` and the files it imports relatively, recursively: what transformers'
-    `custom_object_save` copies and its dynamic-module loader asks for. A new module imported relatively by the
-    model joins the list by itself."""
+    """`modeling_dcformer.py` and its relative imports, recursively: what `custom_object_save` copies."""
     modeling = Path(__file__).with_name("modeling_dcformer.py")
     return list(dict.fromkeys([modeling, *map(Path, get_relative_import_files(modeling))]))
 
 
 def update_config_file(directory: str | os.PathLike, auto_map: bool = True, save_id: str | None = None) -> None:
-    """Rewrite the saved `config.json`: `auto_map` pointing at the remote code for AutoConfig, AutoModel and
-    AutoModelForCausalLM (with `auto_map=False`: no entry pointing there), model_type "dcformer" for a config saved
-    from a `DCPythiaConfig` (its keys are ours, not the released ones "dcpythia" reads), and `save_id`."""
+    """Rewrite a saved `config.json`: our `auto_map` entries (none with `auto_map=False`), model_type "dcformer" for
+    a config saved from a `DCPythiaConfig` (its keys are ours, not the released ones), and `save_id`."""
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {directory}: save the config first")
     config = json.loads(config_file.read_text(encoding="utf-8"))
     others = {k: v for k, v in (config.pop("auto_map", None) or {}).items() if k not in AUTO_MAP}
-    if auto_map or others:  # without the remote code, no auto_map may point at it
+    if auto_map or others:
         config["auto_map"] = {**others, **AUTO_MAP} if auto_map else others
     if config.get("model_type") == "dcpythia" and "hidden_size" in config:
         config["model_type"] = "dcformer"
@@ -75,8 +66,8 @@ def update_config_file(directory: str | os.PathLike, auto_map: bool = True, save
 
 
 def write_remote_code(directory: str | os.PathLike) -> list[str]:
-    """Copy the remote code into `directory` (which holds a saved `config.json`, written by a converter) and point
-    its `auto_map` at it. Returns the names of the copied files."""
+    """Copy the remote code into `directory` (a converter's output, with its config.json) and point `auto_map` at
+    it. Returns the names of the copied files."""
     import shutil
 
     update_config_file(directory, auto_map=True)
@@ -85,10 +76,14 @@ def write_remote_code(directory: str | os.PathLike) -> list[str]:
     return [source.name for source in remote_code_files()]
 
 
+def _users_readme(folder: Path) -> bool:
+    readme = folder / "README.md"
+    return readme.is_file() and not is_generated_card(readme.read_text(encoding="utf-8", errors="replace"))
+
+
 def finish_directory(model, directory: Path, *, remote_code: bool, card: dict | None, users_readme: bool) -> None:
-    """After transformers saved `model` into `directory`: the remote code's `auto_map` (or no code with
-    `remote_code=False`), a new `save_id`, and the model card (`card`: `write_model_card` options; None, or
-    `users_readme` (a README.md this package did not write is there): none)."""
+    """After transformers saved `model` into `directory`: `auto_map` (or no code), a new `save_id`, the card
+    (`card`: `write_model_card` options, None: no card; never over a README.md of the user's unless `overwrite`)."""
     if not remote_code:
         for source in remote_code_files():
             (directory / source.name).unlink(missing_ok=True)
@@ -97,18 +92,14 @@ def finish_directory(model, directory: Path, *, remote_code: bool, card: dict | 
         write_model_card(directory, model.config, **card)
 
 
-def _users_readme(folder: Path) -> bool:
-    from .model_card import is_generated_card
-
-    readme = folder / "README.md"
-    return readme.is_file() and not is_generated_card(readme.read_text(encoding="utf-8", errors="replace"))
-
-
 def save_pretrained(model, save_directory, *args, remote_code: bool = True, model_card: bool | dict = True,
                     push_to_hub: bool = False, repo_id: str | None = None, **kwargs) -> None:
-    """What `DCFormerPreTrainedModel.save_pretrained` does (see the module's docstring and docs/hub.md)."""
+    """What `DCFormerPreTrainedModel.save_pretrained` does (module docstring; docs/implementations.md)."""
     from transformers import PreTrainedModel
 
+    push = getattr(model, "_dcformer_push", None)  # inside `push_to_hub`: its options
+    if push is not None:
+        remote_code, model_card = push["remote_code"], push["card"]
     upload = {key: kwargs.pop(key) for key in UPLOAD_KEYS if key in kwargs}
     target = atomic_dir.resolve(save_directory)  # ".", "..", a symlink: the folder it names; a file: an error
     if push_to_hub:  # a bad id is refused before anything is written
@@ -116,8 +107,10 @@ def save_pretrained(model, save_directory, *args, remote_code: bool = True, mode
     on_this_rank = model.should_save_on_this_rank(args[0] if args else kwargs.get("is_main_process", True))
     card = card_options(model, model_card) if on_this_rank else None  # before the config (it keeps the results)
     if card is not None:
-        card.setdefault("model_name", None if push_to_hub or card.get("repo_id") else target.name)
+        card.setdefault("model_name", None if push_to_hub or push or card.get("repo_id") else target.name)
         card["repo_id"] = card.get("repo_id") or repo_id
+        if push is not None:
+            push["card"] = card
     users_readme = _users_readme(target)
     if not on_this_rank or getattr(model, "_tp_size", None) is not None:  # collective: every rank, in place
         PreTrainedModel.save_pretrained(model, save_directory, *args, **kwargs)
@@ -135,29 +128,40 @@ def save_pretrained(model, save_directory, *args, remote_code: bool = True, mode
         upload_saved(model, target, repo_id, card, **upload)
 
 
-def push_to_hub(model, repo_id: str, *, max_shard_size: int | str = "50GB", remote_code: bool = True,
-                license: str | None = "apache-2.0", base_model: str | None = None, eval_results=None,
-                tags: list[str] | None = None, **upload_kwargs):
-    """What `DCFormerPreTrainedModel.push_to_hub` does: save into a temporary folder (weights, config, remote code,
-    model card with `license`, `base_model`, `eval_results` and the model's tags plus `tags`) and upload it in one
-    commit (`upload_kwargs`: `UPLOAD_KEYS`). Returns the `CommitInfo`; a failure is a `HubUploadError`."""
+def push_to_hub(model, repo_id: str, *, remote_code: bool = True, overwrite_model_card: bool = False,
+                license: str | None = "apache-2.0", base_model: str | None = None, eval_results=None, **kwargs):
+    """What `DCFormerPreTrainedModel.push_to_hub` does: transformers' `push_to_hub` (`kwargs`: its options, `tags`
+    included), saving with `remote_code` and a card with `license`, `base_model`, `eval_results` (see
+    `upload_pushed`). Returns the `CommitInfo`; any failure is one `HubUploadError`."""
+    from transformers import PreTrainedModel
+
     if eval_results is not None:
         from .evals.lm_eval_results import read_eval_results
 
         read_eval_results(eval_results)  # malformed results fail before anything is created on the Hub
     check_repo_id(repo_id)
-    private, token = upload_kwargs.pop("private", None), upload_kwargs.get("token")
+    card = dict(license=license, base_model=base_model, eval_results=eval_results, tags=kwargs.get("tags"))
+    model._dcformer_push = dict(remote_code=remote_code, overwrite=overwrite_model_card, card=card)
     try:
-        full_id = create_repo(repo_id, private=private, token=token)
+        return PreTrainedModel.push_to_hub(model, repo_id, **kwargs)
     except Exception as err:
-        raise HubUploadError.of(err, repo_id, private=private) from None
-    card = dict(repo_id=full_id, license=license, base_model=base_model, eval_results=eval_results, tags=tags)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size, remote_code=remote_code, model_card=card)
-        try:
-            return upload_folder(tmp, full_id, **upload_kwargs)
-        except Exception as err:
-            raise HubUploadError.of(err, repo_id, private=private) from None
+        raise HubUploadError.of(err, repo_id, private=kwargs.get("private")) from None
+    finally:
+        del model._dcformer_push
+
+
+def upload_pushed(model, folder, repo_id: str, *, files_timestamps=None, **upload_kwargs):
+    """The upload step of `push_to_hub`, after transformers wrote the Hub's card (tagged) or a blank one into the
+    saved `folder`: DCFormer's card goes back (named after the full `repo_id`) unless the Hub's card is the user's
+    (kept, with transformers' tags added) and `overwrite_model_card` is off; then `upload_folder`."""
+    push = getattr(model, "_dcformer_push", None) or dict(overwrite=False, card={})
+    readme = Path(folder) / "README.md"
+    hubs = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    if push["overwrite"] or is_generated_card(hubs) or BLANK_CARD in hubs:
+        write_model_card(folder, model.config, **{**push["card"], "repo_id": repo_id, "overwrite": True})
+    else:
+        logger.warning(f"{repo_id} has a README.md not generated by modeling_dcformer: kept (tags added)")
+    return upload_folder(folder, repo_id, **{**upload_kwargs, "overwrite_model_card": True})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -165,13 +169,11 @@ def push_to_hub(model, repo_id: str, *, max_shard_size: int | str = "50GB", remo
 # ----------------------------------------------------------------------------------------------------------------
 def is_hub_id(name) -> bool:
     """Whether `name` reads as a Hub repository id ("name" or "namespace/name") rather than a local path."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     if not isinstance(name, str) or name.startswith((".", "/", "~")) or os.path.isabs(name):
         return False
     try:
-        validate_repo_id(name)
-    except HFValidationError:
+        check_repo_id(name)
+    except ValueError:
         return False
     return True
 
@@ -199,12 +201,10 @@ def create_repo(repo_id: str, *, private: bool | None = None, token: str | bool 
 def upload_folder(folder: str | os.PathLike, repo_id: str, *, token: str | bool | None = None,
                   revision: str | None = None, create_pr: bool = False, commit_message: str | None = None,
                   commit_description: str | None = None, overwrite_model_card: bool = False):
-    """Upload every file of `folder` to the existing repository `repo_id` in one commit. A README.md already on the
-    Hub that this package did not generate is kept (unless `overwrite_model_card`). Returns the `CommitInfo`."""
+    """Upload `folder` to the existing repository `repo_id` in one commit; a README.md on the Hub that this package
+    did not generate is kept (unless `overwrite_model_card`). Returns the `CommitInfo`."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import EntryNotFoundError, RevisionNotFoundError
-
-    from .model_card import is_generated_card
 
     api = HfApi()
     if revision is not None and not revision.startswith("refs/pr"):
@@ -239,8 +239,8 @@ def retry_upload_command(repo_id: str, directory: str | os.PathLike, private: bo
 
 
 class HubUploadError(OSError):
-    """An upload to the Hub that failed. `cause`: the exception of huggingface_hub (or of the network) behind it,
-    kept here instead of being chained, so that the traceback printed is this one message."""
+    """An upload to the Hub that failed; `cause`: the error behind it, kept here instead of chained, so that the
+    traceback printed is this one message."""
 
     cause: BaseException | None = None
 
@@ -263,9 +263,8 @@ class HubUploadError(OSError):
 
 def upload_saved(model, directory: Path, repo_id: str, card: dict | None = None, *, private: bool | None = None,
                  token: str | bool | None = None, **upload_kwargs):
-    """The upload of `save_pretrained(..., push_to_hub=True)`, once `directory` is complete: `create_repo`, the card
-    pointed at the full repository id where the Hub added a namespace, then `upload_folder`. Any failure raises
-    `HubUploadError`, saying that the directory is complete and how to retry the upload."""
+    """The upload of `save_pretrained(..., push_to_hub=True)` once `directory` is complete: `create_repo`, the card
+    renamed for the full id where the Hub added a namespace, `upload_folder`; a failure is a `HubUploadError`."""
     try:
         full_id = create_repo(repo_id, private=private, token=token)
         if card is not None and full_id != card.get("repo_id") and not _users_readme(directory):

@@ -1,10 +1,8 @@
 """DCFormer: a causal LM whose attention is DCMHA (Dynamically Composable Multi-Head Attention).
 
 Xiao, Meng, Li, Yuan, "Improving Transformers with Dynamically Composable Multi-Head Attention", ICML 2024.
-The maths follows docs/spec.md. This file holds the architecture, in transformers' order (norms, rotary, MLP,
-attention, decoder layer, pretrained model, model, causal LM); the DCMHA implementations live behind `dcmha.py`'s
-interface and the cache in `cache_dcformer.py`. It imports only torch, transformers and its flat siblings, so that
-it travels to the Hub as remote code.
+The maths follows docs/spec.md. The architecture in transformers' order; the DCMHA implementations sit behind
+`dcmha.py`, the cache in `cache_dcformer.py`. It and its relative imports travel to the Hub as remote code.
 
 Layout of one attention layer (`DCFormerAttention`):
     qkv_proj            fused [q; k; v] projection, all queries then all keys then all values
@@ -36,8 +34,12 @@ from .cache_dcformer import DCFormerCache, check_cache, check_cache_implementati
 from .configuration_dcformer import DCFormerConfig, check_attn_implementation
 from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch, describe_unreadable
 from .dcmha import DCMHAInputs, dcmha_attention
-from .released_format import IGNORED as RELEASED_IGNORED_KEYS
-from .released_format import register_released_layout
+
+try:  # the authors' released layout: installed package only (remote code refuses a released config)
+    from modeling_dcformer.released_format import IGNORED as RELEASED_IGNORED_KEYS
+    from modeling_dcformer.released_format import register_released_layout
+except ImportError:
+    RELEASED_IGNORED_KEYS, register_released_layout = None, None
 
 logger = logging.get_logger(__name__)
 
@@ -345,9 +347,8 @@ HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "tok
 
 @contextmanager
 def reading_one_save(source, subfolder: str | None = None):
-    """While a local folder is read, a shared `flock` on it: `save_pretrained` (and the converters) take it
-    exclusively before they swap a new save in, so a load never reads two saves. Yields the folder's `save_id`
-    (config.json's random id of the save, None if none). Nothing to lock for a Hub id or without `fcntl`."""
+    """A shared `flock` on a local folder while it is read (a save takes it exclusively before swapping a new one in,
+    so a load never reads two saves). Yields config.json's `save_id` (None if none). Nothing to lock for a Hub id."""
     folder = Path(str(source), subfolder or "") if source is not None else None
     if folder is None or not folder.is_dir():
         yield None
@@ -374,6 +375,17 @@ def reading_one_save(source, subfolder: str | None = None):
             os.close(fd)
 
 
+def installed_hub():
+    """`modeling_dcformer.hub` (atomic saves, cards, uploads), or None where only the remote code is here."""
+    try:
+        from modeling_dcformer import hub
+    except ModuleNotFoundError as err:
+        if err.name != "modeling_dcformer":
+            raise  # the package is there but broken: never a silent fall back to a non-atomic save
+        return None
+    return hub
+
+
 class DCFormerPreTrainedModel(PreTrainedModel):
     config_class = DCFormerConfig
     config: DCFormerConfig
@@ -381,16 +393,13 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DCFormerDecoderLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
-    # DCMHA is computed by this file's own attention; no flash/SDPA/flex kernel can compose heads. attn_implementation
-    # names a DCMHA implementation instead (see `set_attn_implementation`).
+    # no flash/SDPA/flex kernel can compose heads: attn_implementation names a DCMHA implementation instead
     _supports_flash_attn = False
     _supports_sdpa = False
     _supports_flex_attn = False
     _supports_attention_backend = False
-    # torch.compile(fullgraph=True) and torch.export trace the forward pass, with a padding mask (tests/test_export.py)
-    _can_compile_fullgraph = True
-    # Derived tensors of the authors' released checkpoints: never used (see released_format.py).
-    _keys_to_ignore_on_load_unexpected = RELEASED_IGNORED_KEYS
+    _can_compile_fullgraph = True  # torch.compile(fullgraph=True) and torch.export trace it (tests/test_export.py)
+    _keys_to_ignore_on_load_unexpected = RELEASED_IGNORED_KEYS  # derived tensors of the released checkpoints
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
@@ -399,9 +408,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     def _check_and_adjust_attn_implementation(
         self, attn_implementation: str | dict | None, is_init_check: bool = False, allow_all_kernels: bool = False
     ) -> str:
-        """transformers' check of `attn_implementation` at init: for DCFormer, a DCMHA implementation (see
-        `set_attn_implementation`); None keeps the config's. transformers' own functions are refused here, when a
-        model is built, as transformers does (a config only records the request)."""
+        """transformers' check at init: a DCMHA implementation (None keeps the config's); transformers' own
+        functions are refused here, when a model is built (a config only records the request)."""
         if attn_implementation is not None:
             check_attn_implementation(attn_implementation if not isinstance(attn_implementation, dict) else
                                       attn_implementation.get("", self.config.dcmha_implementation))
@@ -409,26 +417,23 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         return self.config._attn_implementation
 
     def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False):
-        """Choose how DCMHA is computed: `attn_implementation` is `config.dcmha_implementation` under transformers'
-        name, and this sets it ("auto", "eager" (the reference), "compiled", "kernel", "triton", or a registered
-        backend). transformers' own attention functions ("sdpa", "flash_attention_2", "flex_attention", ...) cannot
-        compose heads: a ValueError says so. The same holds for `from_pretrained(..., attn_implementation=...)` and
-        `from_config(..., attn_implementation=...)`; `config._attn_implementation` reads `dcmha_implementation`."""
+        """Sets `config.dcmha_implementation` ("auto", "eager", "compiled", "kernel", "triton", or a registered
+        backend), as `from_pretrained`/`from_config(..., attn_implementation=...)` do; transformers' own functions
+        ("sdpa", "flash_attention_2", ...) cannot compose heads: a ValueError says so."""
         self._check_and_adjust_attn_implementation(attn_implementation)
 
     def __init__(self, config: DCFormerConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
-        register_released_layout(config.model_type, config.use_gated_mlp)  # released names, for the body loaded
+        if register_released_layout is not None:  # released names, for the body loaded
+            register_released_layout(config.model_type, config.use_gated_mlp)
         self.model_tags = ["dcformer", "dcmha"]  # this model's Hub tags (`add_model_tags` adds to them)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained` (every argument as for any model), refusing a checkpoint that does not
-        match its config (transformers would initialise missing tensors randomly, drop unused ones and cast integer
-        tensors, and only log it): the error names the config field responsible (`checkpoint_checks.py`). With
-        `output_loading_info=True` missing and unused tensors are reported back instead. A local folder is read under
-        a shared lock (`reading_one_save`), and a config read before another save replaced the folder is read again,
-        so a load never takes the config of one save and the weights of another."""
+        """`PreTrainedModel.from_pretrained`, refusing a checkpoint that does not match its config (transformers
+        would initialise missing tensors randomly, drop unused ones, cast integer ones, and only log it) with an error
+        naming the config field (`checkpoint_checks.py`; `output_loading_info=True` reports instead). A local folder
+        is read under a shared lock, and a config read before another save replaced the folder is read again."""
         want_info = kwargs.get("output_loading_info", False)
         kwargs["output_loading_info"] = True  # the missing and unused tensors, checked below
         source = pretrained_model_name_or_path
@@ -464,8 +469,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
 
     @staticmethod
     def _finalize_model_loading(model, load_config, loading_info):
-        """transformers' last loading step, whose error for tensors of the wrong shape only says "look at the above
-        report": that error is replaced by one naming each tensor, both shapes and the config field responsible."""
+        """transformers' last loading step: its error for tensors of the wrong shape ("look at the above report")
+        becomes one naming each tensor, both shapes and the config field responsible."""
         try:
             return PreTrainedModel._finalize_model_loading(model, load_config, loading_info)
         except RuntimeError:
@@ -484,32 +489,28 @@ class DCFormerPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, remote_code: bool = True, model_card: bool | dict = True,
                         **kwargs):
-        """`PreTrainedModel.save_pretrained`, always in our native layout. Where the `modeling_dcformer` package is
-        installed (`modeling_dcformer.hub.save_pretrained`, docs/hub.md): written beside and swapped in whole, with
-        the remote code for every Auto class (`remote_code=False`: none) and a model card README.md (`model_card`:
-        True, False or a dict of options such as `license`, `base_model`, `eval_results`); `push_to_hub=True` (with
-        `repo_id`, `private`, `token`, `commit_message`, `create_pr`) uploads the complete folder, and a failed
-        upload raises `hub.HubUploadError` saying how to retry. As remote code without the package: transformers'
-        own save (which copies the remote code too)."""
+        """`PreTrainedModel.save_pretrained` in our layout. With the package installed (`modeling_dcformer.hub`,
+        docs/hub.md): written beside and swapped in whole, with the remote code (`remote_code`) and a model card
+        (`model_card`: True, False or a dict of card options); as remote code without it: transformers' own."""
         kwargs.setdefault("save_original_format", False)  # else transformers reverts the released keys' renaming
-        try:
-            from modeling_dcformer.hub import save_pretrained
-        except ImportError:
+        hub = installed_hub()
+        if hub is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
-        return save_pretrained(self, save_directory, *args, remote_code=remote_code, model_card=model_card, **kwargs)
+        return hub.save_pretrained(self, save_directory, *args, remote_code=remote_code, model_card=model_card, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload the model to the Hub repository `repo_id` in one commit: weights, config, the remote code and a
-        model card (`modeling_dcformer.hub.push_to_hub`: transformers' `push_to_hub` would replace the card by the
-        Hub's or a blank one). Takes transformers' options (`commit_message`, `commit_description`, `private`,
-        `token`, `revision`, `create_pr`, `max_shard_size`, `tags`) and `license` (default "apache-2.0"),
-        `base_model`, `eval_results` (lm-eval results: a dict or a results JSON file), `remote_code`,
-        `overwrite_model_card`. Returns the `CommitInfo`; a failure is one `hub.HubUploadError`."""
-        try:
-            from modeling_dcformer.hub import push_to_hub
-        except ImportError:
-            return super().push_to_hub(repo_id, **kwargs)
-        return push_to_hub(self, repo_id, **kwargs)
+        """transformers' `push_to_hub`; with the package installed also `license`, `base_model`, `eval_results`,
+        `remote_code`, `overwrite_model_card`, DCFormer's card, and one `HubUploadError` on failure (docs/hub.md)."""
+        hub = installed_hub()
+        return super().push_to_hub(repo_id, **kwargs) if hub is None else hub.push_to_hub(self, repo_id, **kwargs)
+
+    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+        """The upload step of transformers' `push_to_hub`, which has just written the Hub's card (or a blank one)
+        over the saved one: `hub.upload_pushed` puts DCFormer's card back unless the Hub's is the user's."""
+        hub = installed_hub()
+        if hub is None:
+            return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
+        return hub.upload_pushed(self, working_dir, repo_id, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)

@@ -1,10 +1,13 @@
 """The authors' released checkpoint layout (Caiyun-AI/DCPythia-6.9B, Caiyun-AI/DCFormer-2.8B) and its
 translation to ours: config keys, state-dict keys, and the derived tensors that are never used.
 
-See `docs/spec.md`, sections "Released configuration keys" and "Released state-dict keys".
+See `docs/spec.md`, sections "Released configuration keys" and "Released state-dict keys". Installed package only:
+a save's remote code is in our names and does not carry this module (`configuration_dcformer.released_format`).
 """
 
 import re
+
+from .configuration_dcformer import DCFormerConfig, is_released_config
 
 # Released config key -> our attribute.
 CONFIG_RENAMES = {
@@ -53,11 +56,6 @@ BODIES = {
 }
 # The official code's named window patterns use a 256-key window whatever window_size says.
 OFFICIAL_PATTERN_WINDOW = 256
-
-
-def is_released_config(config_dict: dict) -> bool:
-    """A config in the authors' key names (`dim`, `n_layer`, `n_head`) rather than ours."""
-    return "dim" in config_dict and "n_layer" in config_dict and "hidden_size" not in config_dict
 
 
 def translate_released_config(config_dict: dict) -> dict:
@@ -249,3 +247,18 @@ def register_released_layout(model_type: str, use_gated_mlp: bool) -> None:
         mapping.append(WeightConverter(rf"dyn_w_proj\.{name}", f"dyn_w_proj.{name}", operations=[QueryWiseSlots()]))
     register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
     _registered_body = (model_type, use_gated_mlp)
+
+
+class DCPythiaConfig(DCFormerConfig):
+    """model_type "dcpythia" of the released Caiyun-AI/DCPythia-6.9B: loading such a config gives the
+    equivalent `DCFormerConfig` (our names, model_type "dcformer")."""
+
+    model_type = "dcpythia"
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        config_dict = dict(config_dict)
+        config_dict.setdefault("model_type", "dcpythia")
+        if not is_released_config(config_dict):
+            raise ValueError("a model_type 'dcpythia' config must carry the released keys dim, n_layer, n_head")
+        return DCFormerConfig.from_dict(config_dict, **kwargs)

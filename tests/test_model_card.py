@@ -18,7 +18,7 @@ from conftest import TINY, randomize_dyn_w
 from helpers import install_fake_hub
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, hub, model_card
 from modeling_dcformer.evals.lm_eval_results import read_eval_results
-from modeling_dcformer.trainer import DCFormerTrainer
+from modeling_dcformer.trainer import TRAINER_SECTION, DCFormerTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -230,7 +230,7 @@ def test_trainer_push_to_hub_keeps_the_dcformer_card(fake_hub, tmp_path):
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
     assert 'AutoModelForCausalLM.from_pretrained("me/tiny-trained", trust_remote_code=True)' in card.text
     assert card.text.count("\n# ") == 1 and "\n# tiny-trained\n" in card.text
-    training = card.text.split(model_card.TRAINER_SECTION, 1)[1].split("\n## ", 1)[0]  # Trainer's own text, merged
+    training = card.text.split(TRAINER_SECTION, 1)[1].split("\n## ", 1)[0]  # Trainer's own text, merged
     assert "Training hyperparameters" in training and "training_steps: 2" in training
     # the base model's lm-eval results measured other weights: not in the fine-tuned model's card or config
     assert card.data.eval_results is None and "## Evaluation" not in card.text
@@ -238,7 +238,7 @@ def test_trainer_push_to_hub_keeps_the_dcformer_card(fake_hub, tmp_path):
     assert (tmp_path / "out" / "README.md").read_text() == upload["readme"]
 
     trainer.create_model_card(model_name="tiny-trained")  # again: still one Trainer section
-    assert (tmp_path / "out" / "README.md").read_text().count(model_card.TRAINER_SECTION) == 1
+    assert (tmp_path / "out" / "README.md").read_text().count(TRAINER_SECTION) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def test_plain_trainer_card_is_trainers_and_keep_dcformer_card_merges(tmp_path):
     assert not model_card.is_generated_card(readme.read_text())  # Trainer's own card: no wrapped method
     assert keep_dcformer_card(trainer, model_name="tiny-trained") == readme
     card = ModelCard.load(readme)
-    assert model_card.is_generated_card(card.text) and model_card.TRAINER_SECTION in card.text
+    assert model_card.is_generated_card(card.text) and TRAINER_SECTION in card.text
     assert {"dcformer", "dcmha", "generated_from_trainer"} <= set(card.data.tags)
 
 

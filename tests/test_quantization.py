@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import build_model, make_config
 from modeling_dcformer import DCFormerForCausalLM
-from modeling_dcformer.checkpoint_checks import quantization_summary
+from modeling_dcformer.model_card import quantization_summary
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
