@@ -32,11 +32,12 @@ API (stable):
   names one complete copy; elsewhere the old copy is first renamed to `.NAME.old-*` (a crash between the two
   renames leaves it whole there, and the next write puts it back). The old copy is then deleted.
 - Readers: the swap takes an exclusive `flock` on the old folder first; `DCFormerPreTrainedModel.from_pretrained`
-  holds a shared one while it reads a local folder, so a load sees one copy, never two.
+  holds a shared one (`reading`) while it reads a local folder, so a load sees one copy, never two.
 - A process whose working directory was inside the replaced folder is moved to the same path in the new copy.
 """
 
 import errno
+import json
 import os
 import re
 import secrets
@@ -175,7 +176,7 @@ def _swap(tmp: Path, target: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{target} exists and is not empty: left as it is, the new copy was discarded")
     fd = os.open(target, os.O_RDONLY)
     try:
-        if fcntl is not None:  # loads of the old copy hold a shared lock on it (`reading_one_save`): they finish first
+        if fcntl is not None:  # loads of the old copy hold a shared lock on it (`reading`): they finish first
             fcntl.flock(fd, fcntl.LOCK_EX)
         if _exchange(tmp, target):
             old = tmp
@@ -230,4 +231,31 @@ def replacing(
         os.chdir(cwd)  # it was inside the old copy, now deleted: the same path in the new one
 
 
-__all__ = ["replacing", "resolve"]
+@contextmanager
+def reading(folder: str | os.PathLike | None, subfolder: str | None = None) -> Iterator[str | None]:
+    """While a local folder is read (`DCFormerPreTrainedModel.from_pretrained`), a shared `flock` on it, which
+    `replacing`'s swap waits for: a load never reads two saves. Yields config.json's `save_id` (None: none).
+    Nothing to lock for a Hub id or without `fcntl`."""
+    folder = Path(str(folder), subfolder or "") if folder is not None else None
+    if folder is None or not folder.is_dir():
+        yield None
+        return
+    fd = None
+    while fcntl is not None:
+        fd = os.open(folder, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.path.samestat(os.fstat(fd), os.stat(folder)):
+            break
+        os.close(fd)  # a save took the folder's place while we waited: lock the new one
+    try:
+        save_id = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("save_id")
+    except (OSError, ValueError, AttributeError):  # no config.json, or not one: transformers says so
+        save_id = None
+    try:
+        yield save_id
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+__all__ = ["reading", "replacing", "resolve"]

@@ -1,10 +1,5 @@
-"""The DCFormer cache: keys, values and each key's composition factors, per layer.
-
-`DCFormerCache` holds one `DCFormerCacheLayer` per layer (growing; a local layer keeps only its window, and what a
-crop may need while recording) or, with `max_cache_len`, one `DCFormerStaticCacheLayer` per layer (buffers written
-in place: `generate(..., cache_implementation="static")`). The attention fills it through
-`DCFormerCache.update_dcmha`; assisted decoding rolls it back with `crop`.
-"""
+"""The DCFormer cache: keys, values and each key's composition factors, per layer, growing (`DCFormerCacheLayer`) or
+in static buffers (`DCFormerStaticCacheLayer`); filled by `DCFormerCache.update_dcmha`, rolled back by `crop`."""
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
@@ -28,11 +23,9 @@ class DCFormerLayerLength:
 
 
 class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
-    """One layer's cache: keys and values [B, N, S, Dh] and each key's composition factors
-    [B, S, G, Ck, 2I+1, M] (w1, w2 and the diagonal of the pre- and post-key slots: 10 N numbers a key with
-    I = 2, never N x N matrices). A local layer keeps only the last `window_size - 1` keys between steps; after
-    `activate_past_recording()` it also keeps every key added since the last `crop`, so that the crop can roll
-    them back (assisted decoding), as transformers' `DynamicSlidingWindowLayer` does."""
+    """One layer's keys and values [B, N, S, Dh] and key composition factors [B, S, G, Ck, 2I+1, M] (never N x N
+    matrices). A local layer keeps the last `window_size - 1` keys between steps; after `activate_past_recording()`
+    also every key added since the last `crop` (assisted decoding), as transformers' `DynamicSlidingWindowLayer`."""
 
     def __init__(self, window_size: int | None = None):
         super().__init__()
@@ -43,12 +36,10 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         self.cumulative_length = 0
 
     @property
-    def is_croppable(self) -> bool:
-        """Whether `crop` can roll back what was added: always on a global layer, while recording on a local one."""
+    def is_croppable(self) -> bool:  # a global layer always; a local one while recording
         return self.window_size is None or self.record_past
 
-    def activate_past_recording(self) -> None:
-        """Keep, on a local layer, every key added until the next `crop` (which then goes back to the window)."""
+    def activate_past_recording(self) -> None:  # keep every key added until the next `crop`
         self.record_past = True
 
     def update_dcmha(self, key, value, key_terms):
@@ -75,8 +66,7 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         return full
 
     def _keep(self, start: int, end: int) -> None:
-        """Keep the stored tokens start..end-1. Copies them when most of the storage is dropped, so that a view
-        does not keep it alive."""
+        """Keep the stored tokens start..end-1 (copied when most of the storage goes: a view would keep it alive)."""
         stored = self.keys.shape[-2]
         if start == 0 and end == stored:
             return
@@ -99,10 +89,8 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         return -1 if self.window_size is None else self.window_size - 1
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` tokens (transformers 5's convention), or keep the first
-        `tokens_to_remove` when it is positive (the earlier one). A local layer then goes back to its window
-        (`crop(0)` only does that); it can roll back only the keys it kept: on a recording layer, every key added
-        since the last crop."""
+        """Drop the last `-tokens_to_remove` tokens, or keep the first `tokens_to_remove` when positive; a local layer
+        then goes back to its window, and can roll back only the keys it kept."""
         if not self.is_initialized:
             return
         length = self.cumulative_length
@@ -146,9 +134,8 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
 
 
 class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
-    """One layer's cache in buffers of `max_cache_len` tokens allocated at the first step: each step writes its
-    keys, values and key composition factors in place (no copy of what is already cached, unlike the growing
-    `DCFormerCacheLayer`) and attends to views of the filled part (on a local layer, its window)."""
+    """One layer's cache in buffers of `max_cache_len` tokens, written in place at each step (no copy of what is
+    cached); a step attends to views of the filled part (on a local layer, its window)."""
 
     is_compileable = False  # the views grow with the cache: the attention's shapes are not static
     is_sliding = False
@@ -198,8 +185,7 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
         self.cumulative_length = 0  # the buffers stay: the next sequence overwrites them
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Keep the first `tokens_to_remove` tokens, or drop the last -`tokens_to_remove` when negative (as
-        `DynamicLayer.crop` does); `crop(0)` removes nothing."""
+        """Keep the first `tokens_to_remove` tokens, or drop the last -`tokens_to_remove` (as `DynamicLayer.crop`)."""
         if tokens_to_remove <= 0:
             self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
         elif tokens_to_remove < self.cumulative_length:
@@ -222,9 +208,8 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
 
 
 class DCFormerCache(Cache):
-    """Cache of a DCFormer model: one `DCFormerCacheLayer` per layer (growing; local layers keep only their window),
-    or with `max_cache_len` one `DCFormerStaticCacheLayer` per layer (buffers of that many tokens, written in place:
-    `generate(..., cache_implementation="static")`)."""
+    """Cache of a DCFormer model: a growing `DCFormerCacheLayer` per layer, or with `max_cache_len` a
+    `DCFormerStaticCacheLayer` (`generate(..., cache_implementation="static")`)."""
 
     def __init__(self, config: DCFormerConfig, max_cache_len: int | None = None):
         windows = [config.window_size if kind == "sliding_attention" else None for kind in config.layer_types]
@@ -237,8 +222,7 @@ class DCFormerCache(Cache):
         super().__init__(layers=layers)
 
     def update_dcmha(self, key, value, key_terms, layer_idx: int, window_size: int | None):
-        """Append this step's keys, values and key composition terms; returns what the step attends to:
-        (keys, values, key_terms, key_start) with key_start the absolute token index of the first key."""
+        """Append this step's keys, values and key terms; returns (keys, values, key_terms, key_start) to attend to."""
         layer = self.layers[layer_idx]
         keys, values, terms = layer.update_dcmha(key, value, key_terms)
         total = layer.cumulative_length
@@ -248,16 +232,13 @@ class DCFormerCache(Cache):
         return self.layers[layer_idx].get_seq_length() if self.layers else 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Crop every layer (see `DCFormerCacheLayer.crop`), the local ones first: they all saw the same tokens,
-        so if one refuses the crop, the first does, and the cache is left as it was."""
+        """Crop every layer, the local ones first: if one refuses, the first does, and nothing has changed."""
         for layer in sorted(self.layers, key=lambda layer: not layer.is_sliding):
             layer.crop(tokens_to_remove)
 
 
-# generate()'s cache_implementation values DCFormer honours: None (its default, the growing cache), "dynamic" and
-# "static". transformers' others ("offloaded", "quantized", "offloaded_static", the deprecated "sliding_window",
-# "hybrid", "hybrid_chunked", ...; "paged") build caches of keys and values alone, which cannot hold DCMHA's key
-# composition factors; transformers itself turns "hybrid" into its default silently, so it is refused before that.
+# generate()'s cache_implementation values DCFormer honours (besides None); transformers' others build caches of keys
+# and values alone, which cannot hold the key composition factors ("hybrid" it would replace silently).
 SUPPORTED_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 CACHE_HINT = (
     "use DCFormerCache(model.config) (growing) or DCFormerCache(model.config, max_cache_len=N) (static buffers; "
@@ -276,15 +257,9 @@ def check_cache_implementation(implementation) -> None:
 
 
 def check_cache(cache) -> "DCFormerCache | None":
-    """The cache a DCFormer forward pass may use, from the one it was given.
-
-    A `DCFormerCache` is used as it is. An empty plain `DynamicCache` (what generic transformers code creates, e.g.
-    `DynamicCache(config=config)`) gives None: the model then starts a growing `DCFormerCache`, which is what a
-    DynamicCache would have been, and returns it as its output cache. Anything else is refused with a TypeError
-    naming it and the cache to use: a filled DynamicCache (it has no composition factors for the keys it holds), an
-    offloading one, transformers' `StaticCache`, `QuantizedCache`, `EncoderDecoderCache` or other Cache classes (their
-    layers store keys and values only, and a static cache given to be written in place would be silently replaced),
-    and objects that are not a Cache (legacy tuples)."""
+    """The cache a forward pass may use: a `DCFormerCache` as it is; an empty plain `DynamicCache` (what generic
+    transformers code creates) gives None (the model starts a growing `DCFormerCache`); anything else is a TypeError
+    naming it and the cache to use (other caches store keys and values only)."""
     if cache is None or isinstance(cache, DCFormerCache):
         return cache
     name = type(cache).__name__
@@ -304,6 +279,4 @@ def check_cache(cache) -> "DCFormerCache | None":
     )
 
 
-__all__ = [
-    "DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer", "check_cache", "check_cache_implementation",
-]
+__all__ = ["DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer", "check_cache", "check_cache_implementation"]

@@ -19,6 +19,17 @@ POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
                  "max_position_embeddings", "num_head_groups", "dynamic_rank", "attention_chunk_size")
 
 
+def positive_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def raise_first(checks) -> None:
+    """A ValueError with the message of the first (check, message) whose check fails."""
+    for check, message in checks:
+        if not check() and message:
+            raise ValueError(message)
+
+
 def is_released_config(config_dict: dict) -> bool:
     """A config in the authors' released key names (`dim`, `n_layer`, `n_head`) rather than ours."""
     return "dim" in config_dict and "n_layer" in config_dict and "hidden_size" not in config_dict
@@ -186,78 +197,57 @@ class DCFormerConfig(PreTrainedConfig):
         self.validate_dynamic_init()
 
     # The strict dataclass's validators (`validate_*`): run when the config is built, and by `config.validate()`
-    # (which `save_pretrained` calls), so a value changed after construction is checked before it is written.
+    # (which `save_pretrained` calls), so a value changed after construction is checked before it is written. Each
+    # is a table of (check, error) run in order, so a check may rely on the ones before it.
     def validate_sizes(self):
-        for name in POSITIVE_INTS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.dynamic_hidden_size is not None and self.dynamic_hidden_size < 1:
-            raise ValueError(f"dynamic_hidden_size must be a positive integer, got {self.dynamic_hidden_size!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
-        if self.num_attention_heads % self.num_head_groups:
-            raise ValueError(
-                f"num_head_groups ({self.num_head_groups}) must divide num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
-        if self.norm_type not in NORM_TYPES:
-            raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
-        for name in ("layer_norm_eps", "qk_norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-        if self.hidden_act not in ACT2FN:
-            raise ValueError(
-                f"hidden_act={self.hidden_act!r} is not an activation transformers knows; use one of "
-                f"{', '.join(sorted(ACT2FN))}"
-            )
-        if self.window_type is not None and self.window_size is None:
-            raise ValueError(
-                f"window_type={self.window_type!r} is given without window_size: the pattern says which layers are "
-                "local, window_size how many keys they see; set window_size, or window_type=None for global layers"
-            )
-        if self.window_size is not None:
-            if not isinstance(self.window_size, int) or self.window_size < 1:
-                raise ValueError(f"window_size must be a positive integer or None, got {self.window_size!r}")
-            if self.window_size > self.max_position_embeddings:
-                raise ValueError(
-                    f"window_size ({self.window_size}) is larger than max_position_embeddings "
-                    f"({self.max_position_embeddings}): a local layer would be global; use window_size=None"
-                )
-        parse_window_type(self.window_type, 1)  # validates the pattern even when no layer is local
         known = implementation_names()  # the DCMHA registry's names, built-in and registered
-        if self.dcmha_implementation not in known:
-            raise ValueError(f"dcmha_implementation must be one of {known}, got {self.dcmha_implementation!r}")
+        window, heads, groups = self.window_size, self.num_attention_heads, self.num_head_groups
+        raise_first([
+            *((lambda name=name: isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+               f"{name} must be a positive integer, got {getattr(self, name)!r}") for name in POSITIVE_INTS),
+            (lambda: self.dynamic_hidden_size is None or self.dynamic_hidden_size >= 1,
+             f"dynamic_hidden_size must be a positive integer, got {self.dynamic_hidden_size!r}"),
+            (lambda: self.hidden_size % heads == 0,
+             f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({heads})"),
+            (lambda: heads % groups == 0, f"num_head_groups ({groups}) must divide num_attention_heads ({heads})"),
+            (lambda: self.norm_type in NORM_TYPES, f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}"),
+            *((lambda name=name: positive_number(getattr(self, name)),
+               f"{name} must be a positive finite number, got {getattr(self, name)!r}")
+              for name in ("layer_norm_eps", "qk_norm_eps")),
+            (lambda: self.hidden_act in ACT2FN, f"hidden_act={self.hidden_act!r} is not an activation transformers "
+             f"knows; use one of {', '.join(sorted(ACT2FN))}"),
+            (lambda: self.window_type is None or window is not None,
+             f"window_type={self.window_type!r} is given without window_size: the pattern says which layers are "
+             "local, window_size how many keys they see; set window_size, or window_type=None for global layers"),
+            (lambda: window is None or (isinstance(window, int) and window >= 1),
+             f"window_size must be a positive integer or None, got {window!r}"),
+            (lambda: window is None or window <= self.max_position_embeddings,
+             f"window_size ({window}) is larger than max_position_embeddings ({self.max_position_embeddings}): a "
+             "local layer would be global; use window_size=None"),
+            (lambda: parse_window_type(self.window_type, 1), ""),  # the pattern is valid even when no layer is local
+            (lambda: self.dcmha_implementation in known,
+             f"dcmha_implementation must be one of {known}, got {self.dcmha_implementation!r}"),
+        ])
 
     def validate_dcmha(self):
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
-            )
-        for layer_type in self.layer_types:
-            if layer_type not in LAYER_TYPES:
-                raise ValueError(f"layer_types entries must be one of {LAYER_TYPES}, got {layer_type!r}")
-        if "sliding_attention" in self.layer_types and self.window_size is None:
-            raise ValueError("layer_types has sliding_attention layers but window_size is None")
-        theta = self.rope_parameters.get("rope_theta")
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-            raise ValueError(f"rope_theta must be a positive finite number, got {theta!r}")
         factor = self.rope_parameters.get("partial_rotary_factor", 1.0)
-        if not 0.0 <= factor <= 1.0:
-            raise ValueError(f"partial_rotary_factor must be in [0, 1], got {factor!r}")
-        if int(self.head_dim * factor) % 2:
-            raise ValueError(
-                f"partial_rotary_factor ({factor}) times head_dim ({self.head_dim}) must give an even number "
-                "of rotary dimensions"
-            )
+        bad_types = [t for t in self.layer_types if t not in LAYER_TYPES]
+        raise_first([
+            (lambda: len(self.layer_types) == self.num_hidden_layers, f"layer_types has {len(self.layer_types)} "
+             f"entries but num_hidden_layers is {self.num_hidden_layers}"),
+            (lambda: not bad_types, f"layer_types entries must be one of {LAYER_TYPES}, got {(bad_types or [0])[0]!r}"),
+            (lambda: "sliding_attention" not in self.layer_types or self.window_size is not None,
+             "layer_types has sliding_attention layers but window_size is None"),
+            (lambda: positive_number(self.rope_parameters.get("rope_theta")),
+             f"rope_theta must be a positive finite number, got {self.rope_parameters.get('rope_theta')!r}"),
+            (lambda: 0.0 <= factor <= 1.0, f"partial_rotary_factor must be in [0, 1], got {factor!r}"),
+            (lambda: int(self.head_dim * factor) % 2 == 0, f"partial_rotary_factor ({factor}) times head_dim "
+             f"({self.head_dim}) must give an even number of rotary dimensions"),
+        ])
 
     def validate_dynamic_init(self):
-        if self.dynamic_init not in DYNAMIC_INITS:
-            raise ValueError(f"dynamic_init must be one of {DYNAMIC_INITS}, got {self.dynamic_init!r}")
+        raise_first([(lambda: self.dynamic_init in DYNAMIC_INITS,
+                      f"dynamic_init must be one of {DYNAMIC_INITS}, got {self.dynamic_init!r}")])
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):

@@ -1,20 +1,14 @@
 """DCMHA: one interface for every implementation of the attention (`DCFormerConfig.dcmha_implementation`).
 
-An attention call is a `DCMHAInputs`; an implementation is a backend in the registry `DCMHA_BACKENDS`
-(`DCMHAInterface`, in the style of transformers' `AttentionInterface`):
+A call is a `DCMHAInputs`; an implementation is a backend in the registry `DCMHA_BACKENDS` (a `DCMHAInterface`,
+like transformers' `AttentionInterface`):
 
     backend(inputs, *, output_attentions, recompute) -> (output [B, T, N, Dh], probabilities [B, N, T, S] or None)
     backend.why_not(inputs, output_attentions) -> None if it can compute this call, else the reason
 
-Built in: "eager" (the reference, `dcmha_eager.py`), "compiled" (`dcmha_compiled.py`), "kernel" (the CPU C++
-kernel, `cpu_kernel.py`) and "triton" (`triton_kernel.py`). The kernels are imported on first use and are not part
-of the remote code a saved model carries: there they are unavailable, and "auto" does without them. "auto" is
-`choose_auto`. A user registers a backend of their own with `DCMHAInterface.register("name", backend)`, where
-`backend` is a `DCMHABackend` or any function with the call signature above, and then sets
-`config.dcmha_implementation = "name"`.
-
-What the backends share (the inputs, the base class, the registry class, the chunk helpers) is `dcmha_base.py`,
-re-exported here; this module imports the backends and adds the dispatch and the "auto" rule.
+Built in: "eager" (the reference), "compiled", and the kernels "kernel" (CPU) and "triton", imported on first use
+(not part of a save's remote code: there "auto" does without them). `DCMHAInterface.register("name", backend)` adds
+one. What the backends share is `dcmha_base.py` (re-exported here); this module adds the dispatch and "auto".
 """
 
 import importlib
@@ -78,9 +72,8 @@ class LazyBackend(DCMHABackend):
 
 
 def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):
-    """"auto": the CPU kernel wherever it can compute the call (CPU, no gradient needed); else "compiled" for calls
-    big enough to pay for compilation (`AUTO_COMPILE_MIN_SCORES`) where torch.compile can generate code; else
-    "eager". (Under torch.compile or torch.export, `dcmha_attention` runs "eager" without asking.)"""
+    """"auto": the CPU kernel where it can compute the call; else "compiled" for calls big enough to pay for the
+    compilation where torch.compile can generate code; else "eager"."""
     backends = DCMHA_BACKENDS
     if backends["kernel"].why_not(inputs, output_attentions) is None:
         return backends["kernel"]
@@ -97,12 +90,10 @@ TRACED_AS_EAGER = ("auto", "compiled", "kernel")
 def dcmha_attention(
     inputs: DCMHAInputs, implementation: str = "auto", *, output_attentions: bool = False, recompute: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """DCMHA with the implementation named `implementation` ("auto": `choose_auto`). Returns the output
-    [B, T, N, Dh] and, with `output_attentions`, the composed probabilities [B, N, T, S] (fp32) it was computed from.
-    Plain attention (no composition terms) always runs "eager" (SDPA): the implementations differ only in Compose.
-    Under torch.compile or torch.export, "auto", "compiled" and "kernel" run "eager" (`TRACED_AS_EAGER`). A backend
-    that can compute the call but cannot return the probabilities ("triton") leaves an output_attentions call to
-    "eager", with a warning once."""
+    """DCMHA with the implementation named `implementation` ("auto": `choose_auto`): the output [B, T, N, Dh] and,
+    with `output_attentions`, the composed probabilities [B, N, T, S] (fp32). Plain attention always runs "eager"
+    (SDPA); so do traced calls (`TRACED_AS_EAGER`), and output_attentions calls of a backend that cannot return the
+    probabilities ("triton"), with a warning once."""
     eager = DCMHA_BACKENDS["eager"]
     if not inputs.composed or (torch.compiler.is_compiling() and implementation in TRACED_AS_EAGER):
         return eager(inputs, output_attentions=output_attentions, recompute=recompute)

@@ -11,11 +11,9 @@ Layout of one attention layer (`DCFormerAttention`):
     o_proj              output projection
 """
 
-import json
+import importlib
 import math
-import os
-from contextlib import contextmanager
-from pathlib import Path
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +30,8 @@ from transformers.utils import logging
 
 from .cache_dcformer import DCFormerCache, check_cache, check_cache_implementation
 from .configuration_dcformer import DCFormerConfig, check_attn_implementation
-from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch, describe_unreadable
+from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch
 from .dcmha import DCMHAInputs, dcmha_attention
-
-try:  # the authors' released layout: installed package only (remote code refuses a released config)
-    from modeling_dcformer.released_format import IGNORED as RELEASED_IGNORED_KEYS
-    from modeling_dcformer.released_format import register_released_layout
-except ImportError:
-    RELEASED_IGNORED_KEYS, register_released_layout = None, None
 
 logger = logging.get_logger(__name__)
 
@@ -345,45 +337,15 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
 
 
-@contextmanager
-def reading_one_save(source, subfolder: str | None = None):
-    """A shared `flock` on a local folder while it is read (a save takes it exclusively before swapping a new one in,
-    so a load never reads two saves). Yields config.json's `save_id` (None if none). Nothing to lock for a Hub id."""
-    folder = Path(str(source), subfolder or "") if source is not None else None
-    if folder is None or not folder.is_dir():
-        yield None
-        return
+def installed(module: str):
+    """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, the reader lock, the released
+    layout), or None where only the remote code is here. A broken install is an error, never a silent fallback."""
     try:
-        import fcntl
-    except ImportError:  # not POSIX
-        fcntl = None
-    fd = None
-    while fcntl is not None:
-        fd = os.open(folder, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        if os.path.samestat(os.fstat(fd), os.stat(folder)):
-            break
-        os.close(fd)  # a save took the folder's place while we waited: lock the new one
-    try:
-        save_id = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("save_id")
-    except (OSError, ValueError, AttributeError):  # no config.json, or not one: transformers says so
-        save_id = None
-    try:
-        yield save_id
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def installed_hub():
-    """`modeling_dcformer.hub` (atomic saves, cards, uploads), or None where only the remote code is here."""
-    try:
-        from modeling_dcformer import hub
+        return importlib.import_module(f"modeling_dcformer.{module}")
     except ModuleNotFoundError as err:
         if err.name != "modeling_dcformer":
-            raise  # the package is there but broken: never a silent fall back to a non-atomic save
+            raise
         return None
-    return hub
 
 
 class DCFormerPreTrainedModel(PreTrainedModel):
@@ -394,12 +356,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DCFormerDecoderLayer"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     # no flash/SDPA/flex kernel can compose heads: attn_implementation names a DCMHA implementation instead
-    _supports_flash_attn = False
-    _supports_sdpa = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
+    _supports_flash_attn = _supports_sdpa = _supports_flex_attn = _supports_attention_backend = False
     _can_compile_fullgraph = True  # torch.compile(fullgraph=True) and torch.export trace it (tests/test_export.py)
-    _keys_to_ignore_on_load_unexpected = RELEASED_IGNORED_KEYS  # derived tensors of the released checkpoints
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
@@ -417,15 +375,16 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         return self.config._attn_implementation
 
     def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False):
-        """Sets `config.dcmha_implementation` ("auto", "eager", "compiled", "kernel", "triton", or a registered
-        backend), as `from_pretrained`/`from_config(..., attn_implementation=...)` do; transformers' own functions
-        ("sdpa", "flash_attention_2", ...) cannot compose heads: a ValueError says so."""
+        """Sets `config.dcmha_implementation` ("auto", "eager", "compiled", "kernel", "triton" or a registered
+        backend); transformers' own functions ("sdpa", ...) cannot compose heads: a ValueError says so."""
         self._check_and_adjust_attn_implementation(attn_implementation)
 
     def __init__(self, config: DCFormerConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
-        if register_released_layout is not None:  # released names, for the body loaded
-            register_released_layout(config.model_type, config.use_gated_mlp)
+        released = installed("released_format")  # the released names, for the body loaded (package only)
+        if released is not None:
+            released.register_released_layout(config.model_type, config.use_gated_mlp)
+            self._keys_to_ignore_on_load_unexpected = released.IGNORED  # its derived tensors: never used
         self.model_tags = ["dcformer", "dcmha"]  # this model's Hub tags (`add_model_tags` adds to them)
 
     @classmethod
@@ -436,35 +395,30 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         is read under a shared lock, and a config read before another save replaced the folder is read again."""
         want_info = kwargs.get("output_loading_info", False)
         kwargs["output_loading_info"] = True  # the missing and unused tensors, checked below
-        source = pretrained_model_name_or_path
+        source, config = pretrained_model_name_or_path, kwargs.get("config")
         hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if kwargs.get(k) is not None}
-        config = kwargs.get("config")
-        if isinstance(config, DCFormerConfig) and config.query_wise and getattr(config, "released_model_type", None):
-            # the released layout stores four slots either way: only the checkpoint's own config tells whether its
-            # key-wise slots were trained, and then a query-wise model would drop them
-            if not DCFormerConfig.from_pretrained(source, **hub_kwargs).query_wise:
-                raise ValueError(
-                    f"query_wise is True but checkpoint {str(source)!r} was trained with query_wise=False: a query-wise "
-                    "model would drop its key-wise composition weights; load it with its own config"
-                )
-        with reading_one_save(source, hub_kwargs.get("subfolder")) as save_id:
+        released, atomic_dir = installed("released_format"), installed("atomic_dir")
+        if released is not None and isinstance(config, DCFormerConfig):
+            released.check_query_wise(config, source, hub_kwargs)
+        reading = atomic_dir.reading if atomic_dir else lambda *args: nullcontext(getattr(config, "save_id", None))
+        with reading(source, hub_kwargs.get("subfolder")) as save_id:
             if getattr(config, "save_id", None) not in (None, save_id):  # a config read from an earlier save
                 logger.warning(f"{source} was saved again since its config was read: reading the new one")
                 kwargs.pop("config")  # (by AutoModel*, say, just before the folder was replaced)
             try:
                 model, info = super().from_pretrained(source, *args, **kwargs)
-            except Exception:  # an unreadable weight file or shard index: one line naming it (checkpoint_checks.py)
-                problem = describe_unreadable(source, **hub_kwargs)
+            except Exception:  # an unreadable weight file or shard index: one line naming it (package only)
+                weight_files = installed("weight_files")
+                problem = weight_files and weight_files.describe_unreadable(source, **hub_kwargs)
                 if problem is None:
                     raise
                 raise OSError(problem) from None
             check_dtypes(source, checkpoint_files(source, **hub_kwargs), config=model.config)
-        if not want_info:
-            problem = describe_mismatch(
-                model.config, source, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
-            )
-            if problem:
-                raise ValueError(problem)
+        problem = None if want_info else describe_mismatch(
+            model.config, source, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
+        )
+        if problem:
+            raise ValueError(problem)
         return (model, info) if want_info else model
 
     @staticmethod
@@ -477,11 +431,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
             if load_config.ignore_mismatched_sizes or not loading_info.mismatched_keys:
                 raise
             problem = describe_mismatch(
-                model.config,
-                load_config.pretrained_model_name_or_path,
-                unexpected=loading_info.unexpected_keys,
-                missing=loading_info.missing_keys,
-                mismatched=loading_info.mismatched_keys,
+                model.config, load_config.pretrained_model_name_or_path, unexpected=loading_info.unexpected_keys,
+                missing=loading_info.missing_keys, mismatched=loading_info.mismatched_keys,
             )
             if problem is None:
                 raise
@@ -493,7 +444,7 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         docs/hub.md): written beside and swapped in whole, with the remote code (`remote_code`) and a model card
         (`model_card`: True, False or a dict of card options); as remote code without it: transformers' own."""
         kwargs.setdefault("save_original_format", False)  # else transformers reverts the released keys' renaming
-        hub = installed_hub()
+        hub = installed("hub")
         if hub is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
         return hub.save_pretrained(self, save_directory, *args, remote_code=remote_code, model_card=model_card, **kwargs)
@@ -501,13 +452,13 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' `push_to_hub`; with the package installed also `license`, `base_model`, `eval_results`,
         `remote_code`, `overwrite_model_card`, DCFormer's card, and one `HubUploadError` on failure (docs/hub.md)."""
-        hub = installed_hub()
+        hub = installed("hub")
         return super().push_to_hub(repo_id, **kwargs) if hub is None else hub.push_to_hub(self, repo_id, **kwargs)
 
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         """The upload step of transformers' `push_to_hub`, which has just written the Hub's card (or a blank one)
         over the saved one: `hub.upload_pushed` puts DCFormer's card back unless the Hub's is the user's."""
-        hub = installed_hub()
+        hub = installed("hub")
         if hub is None:
             return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
         return hub.upload_pushed(self, working_dir, repo_id, **kwargs)
@@ -563,18 +514,11 @@ class DCFormerModel(DCFormerPreTrainedModel):
         self.embed_tokens = value
 
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        past_key_values: Cache | None = None,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
+        output_attentions: bool | None = None, output_hidden_states: bool | None = None,
+        return_dict: bool | None = None, past_key_values: Cache | None = None, **kwargs,
     ) -> BaseModelOutputWithPast | tuple:
         """`cache` is transformers' name for the cache from 5.24 on; `past_key_values`, the earlier one, is accepted."""
         cache = cache_argument(cache, past_key_values)
@@ -632,12 +576,8 @@ class DCFormerModel(DCFormerPreTrainedModel):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
             hidden_states, probs = layer(
-                hidden_states,
-                position_embeddings=position_embeddings,
-                query_start=past_length,
-                padding_mask=padding_mask,
-                cache=cache,
-                output_attentions=output_attentions,
+                hidden_states, position_embeddings=position_embeddings, query_start=past_length,
+                padding_mask=padding_mask, cache=cache, output_attentions=output_attentions,
             )
             if output_attentions:
                 all_attentions += (probs,)
@@ -646,10 +586,8 @@ class DCFormerModel(DCFormerPreTrainedModel):
             all_hidden_states += (hidden_states,)
 
         output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            **{CACHE_NAME: cache if use_cache else None},
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
+            last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None},
+            hidden_states=all_hidden_states, attentions=all_attentions,
         )
         return output if return_dict else output.to_tuple()
 
@@ -726,34 +664,20 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         self.lm_head = new_embeddings
 
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: Cache | None = None,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None, output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None, return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0, past_key_values: Cache | None = None, **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         """`cache` is transformers' name for the cache from 5.24 on; `past_key_values`, the earlier one, is accepted."""
         cache = cache_argument(cache, past_key_values)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, return_dict=True,
         )
         hidden_states = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -762,11 +686,8 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         output = CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+            loss=loss, logits=logits, **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
         return output if return_dict else output.to_tuple()
 

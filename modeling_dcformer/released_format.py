@@ -249,6 +249,18 @@ def register_released_layout(model_type: str, use_gated_mlp: bool) -> None:
     _registered_body = (model_type, use_gated_mlp)
 
 
+def check_query_wise(config, source, hub_kwargs: dict) -> None:
+    """A query-wise `config` given for a released checkpoint, whose layout stores four composition slots either way:
+    only the checkpoint's own config tells whether its key-wise slots were trained (then a query-wise model would
+    drop them)."""
+    if config.query_wise and getattr(config, "released_model_type", None):
+        if not DCFormerConfig.from_pretrained(source, **hub_kwargs).query_wise:
+            raise ValueError(
+                f"query_wise is True but checkpoint {str(source)!r} was trained with query_wise=False: a query-wise "
+                "model would drop its key-wise composition weights; load it with its own config"
+            )
+
+
 class DCPythiaConfig(DCFormerConfig):
     """model_type "dcpythia" of the released Caiyun-AI/DCPythia-6.9B: loading such a config gives the
     equivalent `DCFormerConfig` (our names, model_type "dcformer")."""

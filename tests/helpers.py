@@ -255,3 +255,20 @@ def train_argv(out, train_file, *extra) -> list[str]:
         "--dataloader_num_workers", "0", "--do_train", "--save_strategy", "steps",
         "--cache_dir", str(Path(out).parent / "datasets-cache"), *extra,
     ]  # fmt: skip
+
+
+def fake_hub_cards(monkeypatch, calls, tmp_path):
+    """With `install_fake_hub`'s `calls`: the Hub's README.md as transformers' `push_to_hub` reads it
+    (`ModelCard.load`, through huggingface_hub's `hf_hub_download` function): `calls.hub_readme`, or none."""
+    import huggingface_hub.repocard as repocard
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        if calls.hub_readme is None:
+            raise LocalEntryNotFoundError(f"{repo_id} has no {filename}")
+        path = tmp_path / "hub_card.md"
+        path.write_text(calls.hub_readme)
+        return str(path)
+
+    monkeypatch.setattr(repocard, "hf_hub_download", hf_hub_download)
+    return calls

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Training
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
 from conftest import TINY, randomize_dyn_w
-from helpers import install_fake_hub
+from helpers import fake_hub_cards, install_fake_hub
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, hub, model_card
 from modeling_dcformer.evals.lm_eval_results import read_eval_results
 from modeling_dcformer.trainer import TRAINER_SECTION, DCFormerTrainer
@@ -101,7 +101,7 @@ def tokenizer():
 
 @pytest.fixture
 def fake_hub(monkeypatch, tmp_path):
-    return install_fake_hub(monkeypatch, tmp_path)
+    return fake_hub_cards(monkeypatch, install_fake_hub(monkeypatch, tmp_path), tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------------------

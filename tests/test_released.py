@@ -614,9 +614,9 @@ def test_converted_directory_is_native_and_identical(tmp_path, capsys, model_typ
     tokenizer_files = {p.name for p in src.iterdir() if p.name.startswith(("tokenizer", "special_tokens"))}
     assert tokenizer_files >= set(TOKENIZER_FILES)
     names = {p.name for p in dst.iterdir()}
-    remote_code = {"modeling_dcformer.py", "configuration_dcformer.py", "released_format.py", "dcmha.py", "dcmha_base.py",
+    remote_code = {"modeling_dcformer.py", "configuration_dcformer.py", "dcmha.py", "dcmha_base.py",
                    "dcmha_eager.py", "dcmha_compiled.py", "cache_dcformer.py",
-                   "checkpoint_checks.py"}  # no kernel
+                   "checkpoint_checks.py"}  # no kernel, no released format
     assert names == {"config.json", "model.safetensors", "README.md", *remote_code, *tokenizer_files}, names
     saved_cfg = json.loads((dst / "config.json").read_text())
     assert saved_cfg["model_type"] == "dcformer" and saved_cfg["hidden_size"] == cfg["dim"]

@@ -1,0 +1,83 @@
+"""Why a checkpoint's weight files cannot be read: one line naming the file and the reason, after transformers failed
+to load it (empty, truncated, a header that is not JSON, a shard index naming absent shards). Installed package only:
+a load through a save's remote code alone gives transformers' own error.
+"""
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from .checkpoint_checks import _listing, _resolver
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """What makes `path` unreadable as a safetensors file (empty, truncated, a header length past the end of the
+    file, a header that is not JSON or does not describe tensors, tensor data past the end); None if it reads."""
+    size = path.stat().st_size
+    if size == 0:
+        return f"{path} is empty (0 bytes): the write that made it did not finish, or it is not a weight file"
+    if size < 8:
+        return f"{path} is {size} bytes long, too short for a safetensors file: the file is truncated"
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > size - 8:
+            return (
+                f"{path} is not a readable safetensors file: its first 8 bytes announce a {length}-byte header but the "
+                f"file holds {size} bytes; it is truncated or not a safetensors file"
+            )
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return f"{path} is not a readable safetensors file: its header is not JSON; the file is corrupt"
+    if not isinstance(header, dict):
+        return f"{path} is not a readable safetensors file: its header is not a JSON object; the file is corrupt"
+    data = size - 8 - length
+    try:
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (KeyError, IndexError, TypeError):
+        return f"{path} is not a readable safetensors file: its header does not describe tensors; the file is corrupt"
+    if end > data:
+        return f"{path} is truncated: its tensors need {end} bytes of data but the file holds {data}"
+    return None
+
+
+def _index_problem(index: Path, check_shards: bool = True) -> str | None:
+    """What makes a sharded checkpoint's index unusable (not JSON, no weight_map, a shard that is not there:
+    `check_shards`, for a local folder; a Hub cache may not hold every shard yet)."""
+    try:
+        content = json.loads(index.read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        return f"{index} is not valid JSON ({err}); the index of a sharded checkpoint is corrupt"
+    if not isinstance(content, dict) or not isinstance(content.get("weight_map"), dict):
+        return f"{index} has no \"weight_map\" object naming the shard of each tensor; the index is corrupt"
+    shards = set(content["weight_map"].values()) if check_shards else ()
+    absent = sorted(str(shard) for shard in shards if not (index.parent / str(shard)).is_file())
+    if absent:
+        return f"{index} names shards that are not in {index.parent}: {_listing(absent)}"
+    if not isinstance(content.get("metadata"), dict):
+        return f"{index} has no \"metadata\" object (transformers writes one with the total size); the index is corrupt"
+    return None
+
+
+def describe_unreadable(source, *, subfolder: str = "", **hub_kwargs) -> str | None:
+    """After a load failed: one line naming the weight file or shard index of `source` that cannot be read and why
+    (see `_safetensors_problem`, `_index_problem`); None when every file reads, so the original error stands. Looks
+    only at local folders and files already in the Hub cache."""
+    if source is None:
+        return None
+    resolve = _resolver(source, subfolder, **hub_kwargs)
+    index = resolve("model.safetensors.index.json")
+    if index is not None:
+        problem = _index_problem(index, check_shards=os.path.isdir(source))
+        if problem:
+            return problem
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        paths = [path for shard in shards if (path := resolve(shard)) is not None]
+    else:
+        paths = [path for path in [resolve("model.safetensors")] if path is not None]
+    for path in paths:
+        if path.suffix == ".safetensors" and (problem := _safetensors_problem(path)):
+            return problem
+    return None
