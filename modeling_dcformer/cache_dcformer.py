@@ -279,4 +279,5 @@ def check_cache(cache) -> "DCFormerCache | None":
     )
 
 
-__all__ = ["DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer", "check_cache", "check_cache_implementation"]
+__all__ = ["DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer", "check_cache",
+           "check_cache_implementation"]

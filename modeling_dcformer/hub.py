@@ -1,19 +1,11 @@
-"""Saving and sharing DCFormer models (installed package only; a save's remote code is only what computes).
-
-- `save_pretrained`: transformers' save into a hidden sibling of the destination (`atomic_dir.replacing`), then
-  `finish_directory` (config.json's `auto_map` for the remote code, a new `save_id`, the model card), then the
-  sibling takes the destination's place; with `push_to_hub=True` the complete folder is uploaded.
-- `push_to_hub`: transformers' `PushToHubMixin.push_to_hub` (create_repo, the Hub's card tagged with the model's
-  tags, save into a temporary folder, upload) with this package's save; its upload step (the model's
-  `_upload_modified_files`) is `upload_pushed`, which puts DCFormer's card back where transformers wrote the Hub's
-  card or a blank one, unless the Hub's card is the user's.
-A failed upload is one `HubUploadError` naming the Hub, the repository and the retry (the cause in `.cause`).
-"""
+"""Saving and sharing DCFormer models: what `save_pretrained` and `push_to_hub` add to transformers' own (installed
+package only; docs/implementations.md has the call path). A failed upload is one `HubUploadError`."""
 
 import json
 import os
 import re
 import shlex
+import shutil
 import uuid
 from pathlib import Path
 
@@ -38,8 +30,8 @@ _WEIGHT_FILE = re.compile(
 )
 UPLOAD_KEYS = ("private", "token", "commit_message", "commit_description", "create_pr", "revision",
                "overwrite_model_card")
-# What transformers' `create_and_tag_model_card` writes when the Hub repository has no card yet.
-BLANK_CARD = "This is the model card of a 🤗 transformers model that has been pushed on the Hub."
+BLANK_CARD = "This is the model card of a 🤗 transformers model that has been pushed on the Hub."  # transformers'
+
 
 
 def remote_code_files() -> list[Path]:
@@ -49,8 +41,8 @@ def remote_code_files() -> list[Path]:
 
 
 def update_config_file(directory: str | os.PathLike, auto_map: bool = True, save_id: str | None = None) -> None:
-    """Rewrite a saved `config.json`: our `auto_map` entries (none with `auto_map=False`), model_type "dcformer" for
-    a config saved from a `DCPythiaConfig` (its keys are ours, not the released ones), and `save_id`."""
+    """A saved `config.json` with our `auto_map` (none with `auto_map=False`), `save_id`, and model_type "dcformer"
+    for a config saved from a `DCPythiaConfig` (its keys are ours, not the released ones)."""
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {directory}: save the config first")
@@ -66,10 +58,7 @@ def update_config_file(directory: str | os.PathLike, auto_map: bool = True, save
 
 
 def write_remote_code(directory: str | os.PathLike) -> list[str]:
-    """Copy the remote code into `directory` (a converter's output, with its config.json) and point `auto_map` at
-    it. Returns the names of the copied files."""
-    import shutil
-
+    """Copy the remote code into a converter's output `directory` and point `auto_map` at it; returns the names."""
     update_config_file(directory, auto_map=True)
     for source in remote_code_files():
         shutil.copyfile(source, Path(directory) / source.name)
@@ -82,8 +71,7 @@ def _users_readme(folder: Path) -> bool:
 
 
 def finish_directory(model, directory: Path, *, remote_code: bool, card: dict | None, users_readme: bool) -> None:
-    """After transformers saved `model` into `directory`: `auto_map` (or no code), a new `save_id`, the card
-    (`card`: `write_model_card` options, None: no card; never over a README.md of the user's unless `overwrite`)."""
+    """After transformers' save: `auto_map` (or no code), a new `save_id`, the card (`card`: its options, or None)."""
     if not remote_code:
         for source in remote_code_files():
             (directory / source.name).unlink(missing_ok=True)
@@ -130,9 +118,8 @@ def save_pretrained(model, save_directory, *args, remote_code: bool = True, mode
 
 def push_to_hub(model, repo_id: str, *, remote_code: bool = True, overwrite_model_card: bool = False,
                 license: str | None = "apache-2.0", base_model: str | None = None, eval_results=None, **kwargs):
-    """What `DCFormerPreTrainedModel.push_to_hub` does: transformers' `push_to_hub` (`kwargs`: its options, `tags`
-    included), saving with `remote_code` and a card with `license`, `base_model`, `eval_results` (see
-    `upload_pushed`). Returns the `CommitInfo`; any failure is one `HubUploadError`."""
+    """transformers' `push_to_hub` (`kwargs`: its options) saving with `remote_code` and a card with `license`,
+    `base_model`, `eval_results` (`upload_pushed`). Returns the `CommitInfo`; a failure is one `HubUploadError`."""
     from transformers import PreTrainedModel
 
     if eval_results is not None:
@@ -164,9 +151,6 @@ def upload_pushed(model, folder, repo_id: str, *, files_timestamps=None, **uploa
     return upload_folder(folder, repo_id, **{**upload_kwargs, "overwrite_model_card": True})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Hub ids and uploads
-# ----------------------------------------------------------------------------------------------------------------
 def is_hub_id(name) -> bool:
     """Whether `name` reads as a Hub repository id ("name" or "namespace/name") rather than a local path."""
     if not isinstance(name, str) or name.startswith((".", "/", "~")) or os.path.isabs(name):
@@ -201,8 +185,8 @@ def create_repo(repo_id: str, *, private: bool | None = None, token: str | bool 
 def upload_folder(folder: str | os.PathLike, repo_id: str, *, token: str | bool | None = None,
                   revision: str | None = None, create_pr: bool = False, commit_message: str | None = None,
                   commit_description: str | None = None, overwrite_model_card: bool = False):
-    """Upload `folder` to the existing repository `repo_id` in one commit; a README.md on the Hub that this package
-    did not generate is kept (unless `overwrite_model_card`). Returns the `CommitInfo`."""
+    """Upload `folder` to `repo_id` in one commit, keeping a README.md on the Hub that this package did not generate
+    (unless `overwrite_model_card`)."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import EntryNotFoundError, RevisionNotFoundError
 
@@ -228,19 +212,18 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, *, token: str | bool 
 
 def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None = None,
                 token: str | bool | None = None, **upload_kwargs):
-    """`create_repo` then `upload_folder`: publish a saved (or converted) model directory as it is."""
+    """Publish a saved (or converted) model directory as it is."""
     return upload_folder(folder, create_repo(repo_id, private=private, token=token), token=token, **upload_kwargs)
 
 
 def retry_upload_command(repo_id: str, directory: str | os.PathLike, private: bool | None = False) -> str:
-    """The command that retries just the upload of the complete `directory` to `repo_id` (quoted for a shell)."""
+    """The shell command that retries just the upload of the complete `directory`."""
     command = f"hf upload {shlex.quote(repo_id)} {shlex.quote(str(directory))}"
     return command + " --private" if private else command
 
 
 class HubUploadError(OSError):
-    """An upload to the Hub that failed; `cause`: the error behind it, kept here instead of chained, so that the
-    traceback printed is this one message."""
+    """A failed upload; `cause`: the error behind it, kept here instead of chained (the traceback is one message)."""
 
     cause: BaseException | None = None
 
@@ -263,8 +246,8 @@ class HubUploadError(OSError):
 
 def upload_saved(model, directory: Path, repo_id: str, card: dict | None = None, *, private: bool | None = None,
                  token: str | bool | None = None, **upload_kwargs):
-    """The upload of `save_pretrained(..., push_to_hub=True)` once `directory` is complete: `create_repo`, the card
-    renamed for the full id where the Hub added a namespace, `upload_folder`; a failure is a `HubUploadError`."""
+    """`save_pretrained(..., push_to_hub=True)`'s upload of the complete `directory` (the card renamed for the full
+    id where the Hub added a namespace); a failure is a `HubUploadError` saying the directory is complete."""
     try:
         full_id = create_repo(repo_id, private=private, token=token)
         if card is not None and full_id != card.get("repo_id") and not _users_readme(directory):

@@ -28,35 +28,6 @@ def is_generated_card(text: str) -> bool:
     return CARD_MARKER in text
 
 
-def _architecture(config) -> list[tuple[str, str]]:
-    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
-    body = "DCFormer++ (LLaMA style: RMSNorm, SwiGLU MLP)" if get("use_gated_mlp") else (
-        "DCPythia (GPT-NeoX style: LayerNorm, GELU MLP)")
-    body += ", parallel residual" if get("use_parallel_residual") else ", sequential residual"
-    layer_types = get("layer_types") or []
-    local = sum(t == "sliding_attention" for t in layer_types)
-    window = "every layer global"
-    if local:
-        window = f"{local} of {len(layer_types)} layers local ({get('window_size')} keys"
-        window += f", pattern {get('window_type')})" if get("window_type") else ")"
-    dcmha = "off (plain multi-head attention)"
-    if get("use_dcmha", True):
-        wise = "query-wise only" if get("query_wise") else "query- and key-wise"
-        dcmha = f"on: rank {get('dynamic_rank')}, {get('num_head_groups')} head group(s), {wise}"
-    rows = [
-        ("body", body),
-        ("layers / hidden size / heads", f"{get('num_hidden_layers')} / {get('hidden_size')} / "
-                                         f"{get('num_attention_heads')}"),
-        ("vocabulary / max positions", f"{get('vocab_size')} / {get('max_position_embeddings')}"),
-        ("DCMHA (head composition)", dcmha),
-        ("qk-norm", "on" if get("use_qk_norm") else "off"),
-        ("attention window", window),
-    ]
-    if get("dtype") is not None:
-        rows.append(("saved dtype", str(get("dtype")).removeprefix("torch.")))
-    return rows
-
-
 def quantization_summary(config) -> str | None:
     """How a model was quantized, in one sentence (None: it is not), from `config.quantization_config`. The norms and
     the dynamic-weight generator (dw1, qkw, dd) are never quantized: quantizers replace nn.Linear layers."""
@@ -81,7 +52,7 @@ def quantization_summary(config) -> str | None:
         how = str(method)
     skipped = q.get("llm_int8_skip_modules") or q.get("modules_to_not_convert")
     kept = f"; also kept unquantized: {', '.join(map(str, skipped))}" if skipped else ""
-    library = method if method in ("bitsandbytes", "torchao") else "the quantization library"
+    library = {"bitsandbytes": "bitsandbytes", "torchao": "torchao"}.get(method, "the quantization library")
     return (
         f"Quantized with {how}: the linear layers' weights are stored quantized; the norms and DCMHA's dynamic-weight "
         f"generator (dw1, qkw, dd: raw parameters, not linear layers) stay in floating point{kept}. Loading it needs "
@@ -89,43 +60,19 @@ def quantization_summary(config) -> str | None:
     )
 
 
-def _provenance(config, base_model: str | None, weights: str | None = None) -> str | None:
+def _source_link(config, base_model: str | None) -> str | None:
+    """Markdown naming where the model comes from (its Hub page, or a local folder's name), for the card's text."""
     from .hub import is_hub_id
 
-    source = getattr(config, "converted_from", None)
-    folder = getattr(config, "converted_from_folder", None)  # a local source's folder name (converters, issue 28)
-    if source is None and folder is None and base_model is None:
-        return None
+    source, folder = getattr(config, "converted_from", None), getattr(config, "converted_from_folder", None)
     shown = base_model or source or folder
-    on_hub = shown != folder and is_hub_id(shown)
-    link = f"[{shown}](https://huggingface.co/{shown})" if on_hub else f"`{Path(shown).name}` (local)"
+    if shown is None:
+        return None
+    link = f"[{shown}](https://huggingface.co/{shown})" if shown != folder and is_hub_id(shown) else (
+        f"`{Path(shown).name}` (local)")
     revision, commit = getattr(config, "converted_from_revision", None), getattr(config, "converted_from_commit", None)
     details = [text for text in (revision and f"revision {revision}", commit and f"commit {commit}") if text]
-    if details:
-        link += f" ({', '.join(details)})"
-    if getattr(config, "converted_from_model_type", None) == "gpt_neox":
-        conversion = getattr(config, "conversion", None) or {}
-        text = (
-            f"Built from the GPT-NeoX checkpoint {link} by `dcformer-convert-pythia` "
-            "(modeling_dcformer.conversion.pythia_to_dcpythia), which keeps the source's body and weights and "
-            "initialises the DCMHA composition weights so that every new weight is trainable"
-        )
-        converted = conversion.get("weights")  # the converted weights' fingerprint (converters since issue 28)
-        if weights is not None and converted is not None and weights != converted:
-            return text + ". Its weights have changed since the conversion (trained or edited)."
-        if conversion.get("exact", True):
-            text += " and the converted model computes exactly the source's function"
-        else:
-            text += " (qk-norm or local windows were added: the converted model's function differs from the source's)"
-        diff = _number(conversion.get("max_logit_difference"))
-        if diff is not None:
-            text += f" (max |logit difference| from the source at conversion, fp32: {diff:.1e})"
-        if converted is not None:  # the saved weights are the converted ones
-            return text + "; these weights are the converted ones."
-        return text + ". Training since the conversion, if any, is not recorded here."
-    if getattr(config, "released_model_type", None):
-        return f"The authors' released checkpoint {link}, re-saved in the native layout of `modeling_dcformer`."
-    return f"Derived from {link}."
+    return link + (f" ({', '.join(details)})" if details else "")
 
 
 def model_card(config, *, model_name: str, repo_id: str | None = None, license: str | None = "apache-2.0",
@@ -142,6 +89,7 @@ def model_card(config, *, model_name: str, repo_id: str | None = None, license: 
         base_model = config.converted_from
     results = read_eval_results(eval_results) if eval_results is not None else {"source": "", "results": []}
     full = [r for r in results["results"] if r["smoke"] is None]
+    conversion = getattr(config, "conversion", None) or {}  # what a converter recorded (converted weights' sha256)
     evals = [
         EvalResult(task_type="text-generation", dataset_type=r["dataset"], dataset_name=r["task"],
                    dataset_config=r["dataset_config"], dataset_split=r["split"],
@@ -156,8 +104,11 @@ def model_card(config, *, model_name: str, repo_id: str | None = None, license: 
     )
     return ModelCard.from_template(
         data, template_path=TEMPLATE, marker=CARD_MARKER, model_name=model_name, model_id=repo_id or model_name,
-        provenance=_provenance(config, base_model, weights), quantization=quantization_summary(config),
-        architecture=_architecture(config), full=full,
+        link=_source_link(config, base_model), conversion=conversion,
+        diff=_number(conversion.get("max_logit_difference")),
+        changed=None not in (weights, conversion.get("weights")) and weights != conversion.get("weights"),
+        quantization=quantization_summary(config),
+        c=config, dtype=str(config.dtype).removeprefix("torch.") if getattr(config, "dtype", None) else None, full=full,
         smoke=[r for r in results["results"] if r["smoke"] is not None], source=results["source"],
         source_url=EVAL_SOURCE_URL,
     )
