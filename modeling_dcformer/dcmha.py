@@ -17,19 +17,8 @@ import torch
 from transformers.utils import logging
 
 from .dcmha_base import (  # noqa: F401  (re-exported: the interface's public names)
-    BUILT_IN_IMPLEMENTATIONS,
-    LOCAL_CHUNK_MIN,
-    DCMHABackend,
-    DCMHAChunk,
-    DCMHAInputs,
-    DCMHAInterface,
-    UnavailableBackend,
-    compile_supported,
-    implementation_names,
-    join_chunks,
-    packed,
-    time_last,
-    visible_keys,
+    BUILT_IN_IMPLEMENTATIONS, LOCAL_CHUNK_MIN, DCMHABackend, DCMHAChunk, DCMHAInputs, DCMHAInterface, UnavailableBackend,
+    compile_supported, implementation_names, join_chunks, packed, time_last, visible_keys,
 )
 from .dcmha_compiled import COMPILED
 from .dcmha_eager import EAGER

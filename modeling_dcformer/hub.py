@@ -34,8 +34,7 @@ BLANK_CARD = "This is the model card of a 🤗 transformers model that has been 
 
 
 
-def remote_code_files() -> list[Path]:
-    """`modeling_dcformer.py` and its relative imports, recursively: what `custom_object_save` copies."""
+def remote_code_files() -> list[Path]:  # what `custom_object_save` copies: the model file and its relative imports
     modeling = Path(__file__).with_name("modeling_dcformer.py")
     return list(dict.fromkeys([modeling, *map(Path, get_relative_import_files(modeling))]))
 
@@ -65,7 +64,7 @@ def write_remote_code(directory: str | os.PathLike) -> list[str]:
     return [source.name for source in remote_code_files()]
 
 
-def _users_readme(folder: Path) -> bool:
+def _users_readme(folder: Path) -> bool:  # a README.md there that this package did not write
     readme = folder / "README.md"
     return readme.is_file() and not is_generated_card(readme.read_text(encoding="utf-8", errors="replace"))
 
@@ -176,8 +175,7 @@ def check_repo_id(repo_id) -> str:
 
 
 def create_repo(repo_id: str, *, private: bool | None = None, token: str | bool | None = None) -> str:
-    """Create the model repository if it does not exist; returns its full id ("namespace/name")."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # the full id ("namespace/name") of the repository, created if need be
 
     return HfApi().create_repo(check_repo_id(repo_id), private=private, token=token, exist_ok=True).repo_id
 
