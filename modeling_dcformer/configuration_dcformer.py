@@ -347,7 +347,8 @@ class DCFormerConfig(PreTrainedConfig):
         try:  # the one preset resolver (also behind dcformer-train --config_name and compare_small.py --shape)
             from modeling_dcformer.configuration import preset_file
         except ModuleNotFoundError as err:  # remote code on the Hub: the presets come with the installed package
-            raise ValueError("presets need the installed modeling_dcformer package (pip install modeling-dcformer)") from err
+            raise ValueError("presets need the installed modeling_dcformer package (pip install modeling-dcformer)") \
+                from err
         return cls.from_dict({**json.loads(preset_file(name).read_text()), **kwargs})
 
 

@@ -447,7 +447,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         hub = installed("hub")
         if hub is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
-        return hub.save_pretrained(self, save_directory, *args, remote_code=remote_code, model_card=model_card, **kwargs)
+        return hub.save_pretrained(self, save_directory, *args, remote_code=remote_code, model_card=model_card,
+                                   **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' `push_to_hub`; with the package installed also `license`, `base_model`, `eval_results`,

@@ -146,8 +146,9 @@ ISOLATED_SCRIPT = textwrap.dedent(
     released.mkdir()
     for code in (out / "dcformer").glob("*.py"):
         (released / code.name).write_bytes(code.read_bytes())
+    auto_map = {"AutoConfig": "configuration_dcformer.DCFormerConfig"}
     (released / "config.json").write_text(json.dumps({"model_type": "dcpythia", "dim": 32, "n_layer": 2, "n_head": 4,
-                                                      "auto_map": {"AutoConfig": "configuration_dcformer.DCFormerConfig"}}))
+                                                      "auto_map": auto_map}))
     from transformers import AutoConfig
     try:
         report["released"] = type(AutoConfig.from_pretrained(str(released), trust_remote_code=True)).__name__
@@ -432,7 +433,8 @@ def test_push_keeps_a_users_card_on_the_hub(fake_hub):
     assert model_card.is_generated_card(fake_hub.upload[-1]["readme"])
     fake_hub.hub_readme = fake_hub.upload[-1]["readme"].replace("me/tiny-dc", "me/old")  # our own card on the Hub
     tiny().push_to_hub("me/tiny-dc")
-    assert 'from_pretrained("me/tiny-dc"' in fake_hub.upload[-1]["readme"] and "me/old" not in fake_hub.upload[-1]["readme"]
+    readme = fake_hub.upload[-1]["readme"]
+    assert 'from_pretrained("me/tiny-dc"' in readme and "me/old" not in readme
 
 
 def test_push_to_hub_is_transformers_with_the_models_tags(fake_hub, monkeypatch):
