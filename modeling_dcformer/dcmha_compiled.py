@@ -16,13 +16,10 @@ from .dcmha_eager import EagerBackend, stage_apply, stage_hidden
 
 
 def compose_backward(grad, raw, query_terms, key_terms, q_pos, k_pos, key_padding_mask, window_size, scale, fill, rank):
-    """The gradients of `compose_step` (grad [B, N, c, s]) for raw, query_terms and key_terms, written out per head
-    and rank so that Inductor makes three passes over the scores (raw's gradient, the sums over the keys for the
-    queries' factors, over the queries for the keys'), each factor's sum one accumulator of the pass, where the
-    gradient autograd derives from the two stages took about ten (docs/performance.md). Masked scores get none."""
+    """The gradients of `compose_step` (grad [B, N, c, s]) for raw, query_terms and key_terms, written out per head and
+    rank: Inductor makes three passes over the scores where autograd's graph of the stages took ten (performance.md)."""
     B, G, M, c, s = raw.shape
-    I = rank
-    grad = grad.view(B, G, M, c, s)
+    I, grad = rank, grad.view(B, G, M, c, s)
     if fill is not None:
         grad = grad.masked_fill(~visible_keys(q_pos, k_pos, window_size, key_padding_mask).unsqueeze(1), 0.0)
     x, g = [raw[:, :, n] * scale for n in range(M)], [grad[:, :, m] for m in range(M)]  # [B, G, c, s] each
@@ -45,8 +42,7 @@ def compose_backward(grad, raw, query_terms, key_terms, q_pos, k_pos, key_paddin
 
 
 class ComposeStep(torch.autograd.Function):
-    """`compose_step` through the compiled stages (`stages`: hidden, apply, backward), with `compose_backward` as its
-    gradient."""
+    """`compose_step` through the compiled stages (hidden, apply, backward); `compose_backward` is its gradient."""
 
     @staticmethod
     def forward(ctx, stages, raw, query_terms, key_terms, mask, scale, fill, rank):
