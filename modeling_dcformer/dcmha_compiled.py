@@ -1,16 +1,61 @@
 """The "compiled" DCMHA backend: the eager chunks with each Compose step's two stages (`dcmha_eager.stage_hidden`,
-`stage_apply`: the same Python code) compiled by torch.compile. The matrix products and the softmax stay PyTorch's
-own kernels; Inductor writes each stage's result once (one fused kernel re-derived the hidden values for every
-output head and the composed scores in every softmax pass, and its softmax was slower than PyTorch's).
+`stage_apply`: the same Python code) compiled by torch.compile, and its gradient (`compose_backward`) written out
+and compiled. The matrix products and the softmax stay PyTorch's own kernels; Inductor writes each stage's result
+once (one fused kernel re-derived the hidden values for every output head and the composed scores in every softmax
+pass, and its softmax was slower than PyTorch's).
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.fx.experimental._config
 
-from .dcmha_base import DCMHAInputs, compile_supported
+from .dcmha_base import DCMHAInputs, compile_supported, visible_keys
 from .dcmha_eager import EagerBackend, stage_apply, stage_hidden
+
+
+def compose_backward(grad, raw, query_terms, key_terms, q_pos, k_pos, key_padding_mask, window_size, scale, fill, rank):
+    """The gradients of `compose_step` (grad [B, N, c, s]) for raw, query_terms and key_terms, written out per head and
+    rank: Inductor makes three passes over the scores where autograd's graph of the stages took ten (performance.md)."""
+    B, G, M, c, s = raw.shape
+    I, grad = rank, grad.view(B, G, M, c, s)
+    if fill is not None:
+        grad = grad.masked_fill(~visible_keys(q_pos, k_pos, window_size, key_padding_mask).unsqueeze(1), 0.0)
+    x, g = [raw[:, :, n] * scale for n in range(M)], [grad[:, :, m] for m in range(M)]  # [B, G, c, s] each
+    sides = [(query_terms, -1)] + ([] if key_terms is None else [(key_terms, -2)])  # factors' time dim in [c, s]
+    factor = [lambda row, m, t=terms, d=dim: t[:, :, row, m].unsqueeze(d) for terms, dim in sides]
+    hidden = [[sum(x[n] * f(i, n) for n in range(M)) for i in range(I)] for f in factor]
+    hidden_grad = [[sum(g[m] * f(I + i, m) for m in range(M)) for i in range(I)] for f in factor]
+    raw_grad = [
+        g[n] * (1 + sum(f(2 * I, n) for f in factor))
+        + sum(gh[i] * f(i, n) for f, gh in zip(factor, hidden_grad) for i in range(I))
+        for n in range(M)
+    ]
+    terms_grad = []
+    for (_, dim), h, gh in zip(sides, hidden, hidden_grad):  # sum over the other time dim: rows w1, w2, dd
+        rows = [[(gh[i] * x[n]).sum(dim) for n in range(M)] for i in range(I)]
+        rows += [[(g[m] * h[i]).sum(dim) for m in range(M)] for i in range(I)]
+        rows.append([(g[m] * x[m]).sum(dim) for m in range(M)])
+        terms_grad.append(torch.stack([torch.stack(row, dim=2) for row in rows], dim=2))
+    return torch.stack(raw_grad, dim=2) * scale, terms_grad[0], terms_grad[1] if key_terms is not None else None
+
+
+class ComposeStep(torch.autograd.Function):
+    """`compose_step` through the compiled stages (hidden, apply, backward); `compose_backward` is its gradient."""
+
+    @staticmethod
+    def forward(ctx, stages, raw, query_terms, key_terms, mask, scale, fill, rank):
+        hidden_fn, apply_fn, ctx.backward_fn = stages
+        ctx.save_for_backward(raw, query_terms, key_terms)
+        ctx.args = (*mask, scale, fill, rank)
+        hidden = hidden_fn(raw, query_terms, key_terms, scale, rank)
+        return apply_fn(raw, query_terms, key_terms, *hidden, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = ctx.backward_fn(grad.contiguous(), *ctx.saved_tensors, *ctx.args)
+        return None, *grads, None, None, None, None
 
 
 def mark_dynamic(tensor: torch.Tensor | None, *dims: int) -> None:
@@ -27,6 +72,7 @@ def mark_dynamic(tensor: torch.Tensor | None, *dims: int) -> None:
 DYNAMIC_DIMS = {
     stage_hidden: {0: (0, -2, -1), 1: (0, -1), 2: (0, -1)},
     stage_apply: {0: (0, -2, -1), 1: (0, -1), 2: (0, -1), 3: (0, -2, -1), 4: (0, -2, -1), 5: (0,), 6: (0,), 7: (0, -1)},
+    compose_backward: {0: (0, -2, -1), 1: (0, -2, -1), 2: (0, -1), 3: (0, -1), 4: (0,), 5: (0,), 6: (0, -1)},
 }
 
 
@@ -41,13 +87,13 @@ class CompiledBackend(EagerBackend):
     compile_backend = "inductor"  # the tests use "aot_eager" (same tracing and autograd, no C++ to build)
 
     def __init__(self):
-        self._stages: tuple[Callable, Callable] | None = None
+        self._stages: tuple[Callable, Callable, Callable] | None = None
 
     @property
-    def stages(self) -> tuple[Callable, Callable]:
+    def compose_step(self) -> Callable:
         if self._stages is None:
-            self._stages = (self._compile(stage_hidden), self._compile(stage_apply))
-        return self._stages
+            self._stages = tuple(self._compile(fn) for fn in (stage_hidden, stage_apply, compose_backward))
+        return functools.partial(ComposeStep.apply, self._stages)
 
     def reset(self, compile_backend: str | None = None) -> None:
         """Forget the compiled stages and any recorded failure (optionally switching torch.compile's backend)."""

@@ -91,17 +91,21 @@ def stage_apply(
     return out
 
 
-EAGER_STAGES = (stage_hidden, stage_apply)
+def compose_step(raw, query_terms, key_terms, mask: tuple, scale: float, fill: float | None, rank: int):
+    """One Compose step of a chunk, before or after the softmax: `stage_hidden`, then `stage_apply` (`mask`: their
+    q_pos, k_pos, key_padding_mask, window_size). "compiled" runs these stages compiled, with written-out gradients."""
+    hidden = stage_hidden(raw, query_terms, key_terms, scale, rank)
+    return stage_apply(raw, query_terms, key_terms, *hidden, *mask, scale, fill, rank)
 
 
 def chunk_visible_keys(chunk: DCMHAChunk) -> torch.Tensor:
     return visible_keys(chunk.query_pos, chunk.key_pos, chunk.window_size, chunk.key_padding_mask)
 
 
-def chunk_probabilities(chunk: DCMHAChunk, stages: tuple = EAGER_STAGES) -> torch.Tensor:
+def chunk_probabilities(chunk: DCMHAChunk, compose_fn=compose_step) -> torch.Tensor:
     """The attention probabilities [B, N, c, s] (fp32) of one chunk of queries against the keys it may see: q.k,
     Compose (pre slot), mask, softmax, Compose (post slot); keys a query cannot see get 0 (`chunk.value` unused).
-    `stages`: (stage_hidden, stage_apply), or their compiled versions."""
+    `compose_fn`: `compose_step` or the compiled backend's version of it."""
     q, k = chunk.query, chunk.key
     B, N, c, Dh = q.shape
     s = k.shape[2]
@@ -119,7 +123,6 @@ def chunk_probabilities(chunk: DCMHAChunk, stages: tuple = EAGER_STAGES) -> torc
         if allowed is not None and post_fill is not None:
             probs = probs.masked_fill(~allowed, post_fill)
         return probs
-    hidden_fn, apply_fn = stages
     G, rank = chunk.num_groups, chunk.rank
     M = N // G
     query_terms, key_terms = chunk.query_terms, chunk.key_terms
@@ -128,21 +131,19 @@ def chunk_probabilities(chunk: DCMHAChunk, stages: tuple = EAGER_STAGES) -> torc
     pre_k = None if key_terms is None else packed(key_terms[:, :, 0])
     post_k = None if key_terms is None else packed(key_terms[:, :, 1])
     raw = torch.matmul(q, k.transpose(-1, -2)).float().view(B, G, M, c, s)
-    hidden = hidden_fn(raw, pre_q, pre_k, scale, rank)
-    scores = apply_fn(raw, pre_q, pre_k, *hidden, *mask, scale, pre_fill, rank)
+    scores = compose_fn(raw, pre_q, pre_k, mask, scale, pre_fill, rank)
     probs = torch.softmax(scores, dim=-1).view(B, G, M, c, s)
-    hidden = hidden_fn(probs, post_q, post_k, 1.0, rank)
-    return apply_fn(probs, post_q, post_k, *hidden, *mask, 1.0, post_fill, rank)
+    return compose_fn(probs, post_q, post_k, mask, 1.0, post_fill, rank)
 
 
-def attend_chunk(chunk: DCMHAChunk, stages: tuple = EAGER_STAGES) -> torch.Tensor:
+def attend_chunk(chunk: DCMHAChunk, compose_fn=compose_step) -> torch.Tensor:
     """DCMHA of one chunk of queries against the keys it may see: `chunk_probabilities`, then @ v. Returns the
     output [B, c, N, Dh] (output_attentions calls use `chunk_probabilities` directly:
     `EagerBackend.attend_with_probabilities`)."""
     if chunk.query_terms is None:  # plain attention: SDPA's fused kernel (rows with no visible key: 0)
         allowed = chunk_visible_keys(chunk) if chunk.masked else None
         return F.scaled_dot_product_attention(chunk.query, chunk.key, chunk.value, attn_mask=allowed).transpose(1, 2)
-    probs = chunk_probabilities(chunk, stages)
+    probs = chunk_probabilities(chunk, compose_fn)
     return torch.matmul(probs.to(chunk.value.dtype), chunk.value).transpose(1, 2)
 
 
@@ -152,7 +153,7 @@ class EagerBackend(DCMHABackend):
     backward pass instead of kept. Runs anywhere, returns the probabilities, and is the reference."""
 
     name = "eager"
-    stages = EAGER_STAGES
+    compose_step = staticmethod(compose_step)
 
     def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
         B, N, T, S, Dh = inputs.shapes
@@ -171,9 +172,10 @@ class EagerBackend(DCMHABackend):
         for span in spans:
             chunk = inputs.chunk(span)
             if recompute:
-                outputs.append(torch.utils.checkpoint.checkpoint(attend_chunk, chunk, self.stages, use_reentrant=False))
+                step = self.compose_step
+                outputs.append(torch.utils.checkpoint.checkpoint(attend_chunk, chunk, step, use_reentrant=False))
             else:
-                outputs.append(attend_chunk(chunk, self.stages))
+                outputs.append(attend_chunk(chunk, self.compose_step))
         return join_chunks(outputs), None
 
     def attend_with_probabilities(self, inputs: DCMHAInputs, spans: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +185,7 @@ class EagerBackend(DCMHABackend):
         _, _, _, S, _ = inputs.shapes
         rows = []
         for span in spans:
-            probs = chunk_probabilities(inputs.chunk(span, with_values=False), self.stages)
+            probs = chunk_probabilities(inputs.chunk(span, with_values=False), self.compose_step)
             _, _, s0, s1 = span
             rows.append(F.pad(probs, (s0, S - s1)))
         probs = rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)

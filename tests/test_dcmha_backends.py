@@ -189,7 +189,7 @@ def test_auto_falls_back_to_eager_and_the_backend_remembers_the_failure(monkeypa
     def broken(*args):
         raise RuntimeError("no C++ compiler worked")
 
-    monkeypatch.setattr(COMPILED, "_stages", (broken, broken))
+    monkeypatch.setattr(COMPILED, "_stages", (broken, broken, broken))
     monkeypatch.setattr(COMPILED, "failure", None)  # restored afterwards: later tests compile again
     monkeypatch.setattr(DCMHA_BACKENDS["kernel"], "why_not", lambda *a: "not in this test")
     monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", 1)

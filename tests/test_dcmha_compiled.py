@@ -4,6 +4,7 @@ in test_dcmha_backends.py):
 - `compose` (the Compose maths, written once) against the oracle's `oracle_compose`: query- and key-wise, groups,
   one query (a decode step), precomputed hidden values;
 - the compiled stages do not recompile for new lengths or batch sizes;
+- `compose_backward` (the written-out gradient of a Compose step) against autograd through the oracle's Compose;
 - a whole model through Inductor itself (the generated C++ kernels), forward and backward (marked slow).
 """
 
@@ -13,7 +14,8 @@ import torch
 from helpers import as_double, assert_close, build_model, loss_and_grads, make_config, padded_batch
 from modeling_dcformer import dcmha
 from modeling_dcformer.dcmha import DCMHAInputs
-from modeling_dcformer.dcmha_compiled import COMPILED
+from modeling_dcformer.dcmha_base import visible_keys
+from modeling_dcformer.dcmha_compiled import COMPILED, compose_backward
 from modeling_dcformer.dcmha_eager import compose, compose_hidden
 from oracle import oracle_causal_lm, oracle_compose
 
@@ -41,6 +43,39 @@ def test_compose_matches_oracle(key_wise, groups, T):
     staged = compose(A.view(B, groups, M, T, S), q_last, k_last, I, hidden=hidden).view(B, N, T, S)
     torch.testing.assert_close(staged, ref, atol=1e-12, rtol=1e-12)
     assert (out - A).abs().max() > 1e-2  # the composition moves the scores: the test can fail
+
+
+@pytest.mark.parametrize("fill", [None, -1e30, 0.0], ids=["no-mask", "pre-softmax-mask", "post-softmax-mask"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("key_wise", [True, False])
+def test_compose_backward_matches_oracle_gradients(key_wise, groups, fill):
+    """The written-out gradient of one Compose step (scaled, masked with padding and a window where `fill` is given)
+    for the scores and both factors, against autograd through `oracle_compose` in float64."""
+    B, N, c, s, I, scale = 2, 4, 5, 7, 2, 0.3
+    M = N // groups
+    gen = torch.Generator().manual_seed(groups)
+    raw = torch.randn(B, groups, M, c, s, generator=gen, dtype=torch.float64, requires_grad=True)
+    qt = torch.randn(B, c, groups, 2 * I + 1, M, generator=gen, dtype=torch.float64, requires_grad=True)
+    kt = torch.randn(B, s, groups, 2 * I + 1, M, generator=gen, dtype=torch.float64, requires_grad=key_wise)
+    q_pos, k_pos = torch.arange(2, 2 + c), torch.arange(s)
+    pad = torch.tensor([[True] * s, [False] * 2 + [True] * (s - 2)])
+    key_args = (kt[..., :I, :], kt[..., I : 2 * I, :], kt[..., 2 * I, :]) if key_wise else ()
+    query_args = (qt[..., :I, :], qt[..., I : 2 * I, :], qt[..., 2 * I, :])
+    out = oracle_compose(raw.view(B, N, c, s) * scale, *query_args, *key_args)
+    if fill is not None:
+        out = out.masked_fill(~visible_keys(q_pos, k_pos, 4, pad), fill)
+    grad = torch.randn(B, N, c, s, generator=gen, dtype=torch.float64)
+    out.backward(grad)
+    q_last = qt.detach().permute(0, 2, 3, 4, 1)  # time last: [B, G, 2I+1, M, c]
+    k_last = kt.detach().permute(0, 2, 3, 4, 1) if key_wise else None
+    got = compose_backward(grad, raw.detach(), q_last, k_last, q_pos, k_pos, pad, 4, scale, fill, I)
+    torch.testing.assert_close(got[0], raw.grad, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got[1], qt.grad.permute(0, 2, 3, 4, 1), atol=1e-12, rtol=1e-12)
+    if key_wise:
+        torch.testing.assert_close(got[2], kt.grad.permute(0, 2, 3, 4, 1), atol=1e-12, rtol=1e-12)
+    else:
+        assert got[2] is None
+    assert qt.grad.abs().max() > 1e-2 and raw.grad.abs().max() > 1e-2  # the test can fail
 
 
 def test_compiled_stages_do_not_recompile_for_new_lengths():
