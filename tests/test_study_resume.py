@@ -75,7 +75,7 @@ def test_interrupted_study_resumes_without_redoing_or_losing_work(tmp_path, corp
         "dcformer", 0, 8
     )
     with pytest.raises(Interrupted):  # killed at step 5 of the fourth run: its checkpoint of step 4 is complete
-        study.run_study(out, spec, extra_callbacks=(StopAt(long0, 5),))
+        study.run_study(out, spec, max_runs=10, extra_callbacks=(StopAt(long0, 5),))
     assert sorted(p.stem for p in (out / "runs").glob("*.json")) == sorted([short_t, short, long_t])
     assert (out / "ckpt" / long0 / "checkpoint-4" / study.STUDY_STATE).is_file()
     first = {i: (out / "runs" / f"{i}.json").read_bytes() for i in (short_t, short, long_t)}
@@ -86,7 +86,7 @@ def test_interrupted_study_resumes_without_redoing_or_losing_work(tmp_path, corp
     ]  # fmt: skip
 
     starts = StartSteps()
-    assert study.run_study(out, spec, extra_callbacks=(starts,)) == 3
+    assert study.run_study(out, spec, max_runs=10, extra_callbacks=(starts,)) == 3  # bounded: a rerun fails
     # the finished runs are not trained again; long0 continues at step 4
     assert starts.starts == [(long0, 4), (rid("transformer", 1, 8), 0), (rid("dcformer", 1, 8), 0)]
     assert all((out / "runs" / f"{i}.json").read_bytes() == first[i] for i in first)
