@@ -102,7 +102,9 @@ def test_interrupted_study_resumes_without_redoing_or_losing_work(tmp_path, corp
     assert study.run_study(out, spec) == 0  # nothing left
 
     # the report: the sweep, the long comparison (2 seeds) and the three-axis folder, seconds from a calibration
-    (out / "calibration.json").write_text(json.dumps({"step_seconds": {"32": {"transformer": 0.5, "dcformer": 1.0}}}))
+    calibration = {"step_seconds": {"32": {"transformer": 9.0, "dcformer": 9.0}},  # wall (loaded): not used
+                   "step_cpu_seconds": {"32": {"transformer": 0.5, "dcformer": 1.0}}}
+    (out / "calibration.json").write_text(json.dumps(calibration))
     text = study.write_study_report(out, spec)
     assert "| 32 | DCFormer | 1e-3 |".replace("1e-3", "0.001") in text and "(2 seeds)" in text
     folder = json.loads((out / "h32-long-dcformer" / "results.json").read_text())

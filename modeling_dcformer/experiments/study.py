@@ -393,9 +393,13 @@ LABEL = {"transformer": "Transformer", "dcformer": "DCFormer", "dcformer-qk": "D
 
 
 def calibrated(calibration: dict | None, hidden: int, model: str) -> float | None:
+    """The calibrated seconds of one training step: the CPU time of the step on its one thread where recorded (what
+    the step costs a core: on a quiet machine it equals the wall time; on a loaded one the wall time also counts
+    the waiting for a core), else the wall time."""
     if not calibration:
         return None
-    return calibration["step_seconds"].get(str(hidden), {}).get(model)
+    table = calibration.get("step_cpu_seconds") or calibration["step_seconds"]
+    return table.get(str(hidden), {}).get(model)
 
 
 def chosen_long_rate(spec: dict, results: dict, hidden: int, model: str) -> float | None:
