@@ -61,7 +61,8 @@ def calibrate(out: Path, sizes: list[int], steps: int = 8, warmup: int = 2, roun
     per size and model, on one thread; the models of one size are interleaved round by round so that a change of
     load hits all of them alike."""
     torch.set_num_threads(1)
-    result = {"threads": 1, "load_average_before": list(os.getloadavg()), "batch": BATCH, "block": BLOCK, "vocab": VOCAB, "torch": torch.__version__,
+    result = {"threads": 1, "load_average_before": list(os.getloadavg()), "batch": BATCH, "block": BLOCK,
+              "vocab": VOCAB, "torch": torch.__version__,
               "steps_per_round": steps, "rounds": rounds, "step_seconds": {}}
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=generator)
@@ -301,9 +302,10 @@ def import_previous(out: Path, spec: dict, folder: Path) -> list[str]:
         entry = {"phase": "", "hidden": hidden, "model": "dcformer", "lr": 1e-3, "seed": 0,
                  "steps": spec["short_steps"]}
         size = [hidden, heads, layers]
-        args = __import__(f"{__package__}.compare", fromlist=["parse_args"]).parse_args(run_argv(spec, entry, size))
+        from . import compare
         from .runner import prepare_lm
 
+        args = compare.parse_args(run_argv(spec, entry, size))
         _, setup = prepare_lm(args)
         mine = {"vocab_size": setup["vocab_size"], "max_position_embeddings": setup["max_position_embeddings"],
                 **{k: getattr(args, k) for k in IMPORT_FLAGS if hasattr(args, k)}}
@@ -344,7 +346,8 @@ def write_plan(out: Path, spec: dict, plan: list[dict]) -> None:
     write_atomic(out / "plan.json", json.dumps({"spec": spec, "plan": plan}, indent=1))
     lines = ["# The study's queue (`python -m modeling_dcformer.experiments.study run`)", "",
              "In the order it runs; rewritten after every run. `waiting`: its rate comes from runs not finished yet.",
-             "", "| # | phase | hidden | model | lr | seed | steps | status | why |", "|---|---|---|---|---|---|---|---|---|"]
+             "", "| # | phase | hidden | model | lr | seed | steps | status | why |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(plan, 1):
         lr = f"{e['lr']:g}" if e["lr"] is not None else "?"
         lines.append(f"| {i} | {e['phase']} | {e['hidden']} | {e['model']} | {lr} | {e['seed']} | {e['steps']} | "
@@ -491,7 +494,8 @@ def write_study_report(out: Path, spec: dict) -> str:
               "seeds finished. FLOPs: `experiments.flops` (training = 3 x forward). Calibrated seconds: steps x the "
               "step time of calibration.json (one thread; see there for the load it was measured under). Measured: "
               "wall and CPU seconds of the training steps while the study ran beside other jobs.", "",
-              "| hidden | model | lr | val loss | Δ vs Transformer | training FLOPs | calibrated s | measured wall s | "
+              "| hidden | model | lr | val loss | Δ vs Transformer | training FLOPs | calibrated s | "
+              "measured wall s | "
               "measured CPU s |", "|---|---|---|---|---|---|---|---|---|"]
     for hidden, _, _ in spec["sizes"]:
         ref = None
