@@ -267,6 +267,37 @@ def recipe_overrides(args) -> dict:
 
 
 
+def comparison_setup(args, data_setup: dict, command: list[str]) -> dict:
+    """The `setup` of a comparison's results.json: every flag that shapes the runs and the data's summary."""
+    return {
+        "task": args.task,
+        "shape": args.shape_dict,
+        "tasks": args.tasks,
+        "models": args.models,
+        **data_setup,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "dc_lr": args.dc_lr,
+        "lr_sweep": args.lr_sweep,
+        "schedule": args.schedule,
+        "warmup": args.warmup,
+        "weight_decay": args.weight_decay,
+        "eval_every": args.eval_every,
+        "val_size": args.val_size,
+        "seeds": args.seeds,
+        "data_seed": args.data_seed,
+        "device": args.device,
+        "bf16": args.bf16,
+        "threads": args.threads if args.device == "cpu" else None,
+        "baseline_attn": args.baseline_attn,
+        "dc_overrides": args.dc_overrides,
+        "param_match": args.param_match,
+        "torch": torch.__version__,
+        "command": command,
+    }
+
+
 def run_comparison(args, command: list[str]) -> dict:
     wall_start = time.perf_counter()
     if args.device == "cpu":
@@ -294,33 +325,7 @@ def run_comparison(args, command: list[str]) -> dict:
         f"{params['dcmha_params']:,}); relative difference {params['relative_difference']:+.2%} (limit ±2%)"
     )
 
-    setup = {
-        "task": args.task,
-        "shape": args.shape_dict,
-        "tasks": args.tasks,
-        "models": args.models,
-        **data_setup,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "dc_lr": args.dc_lr,
-        "lr_sweep": args.lr_sweep,
-        "schedule": args.schedule,
-        "warmup": args.warmup,
-        "weight_decay": args.weight_decay,
-        "eval_every": args.eval_every,
-        "val_size": args.val_size,
-        "seeds": args.seeds,
-        "data_seed": args.data_seed,
-        "device": args.device,
-        "bf16": args.bf16,
-        "threads": args.threads if args.device == "cpu" else None,
-        "baseline_attn": args.baseline_attn,
-        "dc_overrides": args.dc_overrides,
-        "param_match": args.param_match,
-        "torch": torch.__version__,
-        "command": command,
-    }
+    setup = comparison_setup(args, data_setup, command)
     report = {"setup": setup, "parameters": params, "configs": {k: c.to_dict() for k, c in configs.items()}, "runs": []}
     json_path = out / "results.json"
     rates = {kind: args.lr if kind == "transformer" else (args.dc_lr or args.lr) for kind in args.models}

@@ -8,7 +8,10 @@ build the data (the same stream for every model and seed) and the parts of the r
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -69,9 +72,13 @@ def argmax_logits(logits, labels):
 # One training run
 
 
-def training_arguments(args, seed: int, output_dir: str, lr: float | None = None) -> TrainingArguments:
+def training_arguments(
+    args, seed: int, output_dir: str, lr: float | None = None, save_every: int | None = None, resuming: bool = False
+) -> TrainingArguments:
     """The one TrainingArguments of a comparison: identical for every model apart from the run's directory (and
-    the learning rate, when `--dc-lr` or `--lr-sweep` gives each model its own)."""
+    the learning rate, when `--dc-lr` or `--lr-sweep` gives each model its own). `save_every`: a checkpoint every
+    that many steps (the two most recent kept), for runs that resume after an interruption (`experiments.study`);
+    `resuming`: no evaluation at the start (the checkpoint's log already holds the one of its step)."""
     return TrainingArguments(
         output_dir=output_dir,
         max_steps=args.steps,
@@ -86,10 +93,12 @@ def training_arguments(args, seed: int, output_dir: str, lr: float | None = None
         max_grad_norm=1.0,
         eval_strategy="steps",
         eval_steps=args.eval_every,
-        eval_on_start=True,
+        eval_on_start=not resuming,
         logging_strategy="steps",
         logging_steps=args.eval_every,
-        save_strategy="no",
+        save_strategy="steps" if save_every else "no",
+        save_steps=save_every or 500,
+        save_total_limit=2 if save_every else None,
         report_to="none",
         seed=seed,
         data_seed=args.data_seed,
@@ -105,17 +114,21 @@ def training_arguments(args, seed: int, output_dir: str, lr: float | None = None
 
 
 class StepTimer(TrainerCallback):
-    """Wall time of each optimizer step, evaluations excluded (the Trainer evaluates after `on_step_end`)."""
+    """Wall time of each optimizer step, evaluations excluded (the Trainer evaluates after `on_step_end`), and the
+    CPU time this process spent in it (`time.process_time`: on a machine shared with other jobs, close to what the
+    step would take on a quiet core when the process runs one thread)."""
 
     def __init__(self):
         self.seconds: list[float] = []
-        self._start = None
+        self.cpu_seconds: list[float] = []
+        self._start = self._cpu_start = None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), time.process_time()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.seconds.append(time.perf_counter() - self._start)
+        self.cpu_seconds.append(time.process_time() - self._cpu_start)
 
     def steady_seconds(self) -> list[float]:
         return self.seconds[TIMING_SKIP_STEPS:] if len(self.seconds) > 2 * TIMING_SKIP_STEPS else self.seconds
@@ -157,14 +170,71 @@ class DynamicNormsCallback(TrainerCallback):
         self.seconds += time.perf_counter() - start
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.record(model, 0)
+        if not self.history:  # a resumed run has its history from the checkpoint
+            self.record(model, 0)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every == 0 or state.global_step == state.max_steps:
             self.record(model, state.global_step)
 
 
-def train_one(kind: str, seed: int, lr: float, args, configs: dict, data: dict, workdir: str) -> dict:
+STUDY_STATE = "study_state.json"  # beside each checkpoint: what the Trainer's state does not hold
+
+
+class CheckpointSidecar(TrainerCallback):
+    """After each checkpoint is saved, writes what a resumed run needs beyond the Trainer's own state into it: the
+    step times so far, the dynamic-term history and the training wall time. Written last (atomically), so its
+    presence marks a complete checkpoint."""
+
+    def __init__(self, timer: "StepTimer", norms, seconds_before: float):
+        self.timer, self.norms, self.seconds_before = timer, norms, seconds_before
+        self.start = time.perf_counter()
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        payload = {
+            "global_step": state.global_step,
+            "step_seconds": self.timer.seconds,
+            "step_cpu_seconds": self.timer.cpu_seconds,
+            "dyn_norms": self.norms.history if self.norms else None,
+            "train_seconds": self.seconds_before + time.perf_counter() - self.start,
+        }
+        tmp = folder / f".{STUDY_STATE}.tmp"
+        tmp.write_text(json.dumps(payload))
+        os.replace(tmp, folder / STUDY_STATE)
+
+
+def last_complete_checkpoint(folder: Path) -> Path | None:
+    """The newest `checkpoint-N` under `folder` that holds the Trainer's state and our sidecar (both written after
+    the weights and the optimizer); incomplete ones (an interruption while saving) are deleted."""
+    if not folder.is_dir():
+        return None
+    found = sorted(
+        (p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()),
+        key=lambda p: int(p.name.split("-")[-1]),
+    )
+    complete = [p for p in found if (p / "trainer_state.json").is_file() and (p / STUDY_STATE).is_file()]
+    for p in found:
+        if p not in complete:
+            shutil.rmtree(p, ignore_errors=True)
+    return complete[-1] if complete else None
+
+
+def train_one(
+    kind: str,
+    seed: int,
+    lr: float,
+    args,
+    configs: dict,
+    data: dict,
+    workdir: str,
+    checkpoint_dir: str | None = None,
+    save_every: int | None = None,
+    extra_callbacks: tuple = (),
+) -> dict:
+    """One training run. With `checkpoint_dir` and `save_every`, the run checkpoints into `checkpoint_dir` every
+    `save_every` steps and, if a complete checkpoint is there already, continues from it (model, optimizer,
+    schedule, RNG, data position, logs, step times) instead of starting again."""
     set_seed(seed)  # the initialisation: same seed for every model
     model, n_params = build_model(kind, configs[kind])
     timer = StepTimer()
@@ -173,9 +243,24 @@ def train_one(kind: str, seed: int, lr: float, args, configs: dict, data: dict, 
     if kind != "transformer":
         norms = DynamicNormsCallback(data["probe_ids"], args.eval_every)
         callbacks.append(norms)
+    resume, seconds_before = None, 0.0
+    output_dir = str(Path(workdir) / f"{kind}-seed{seed}-lr{lr:g}")
+    if checkpoint_dir is not None and save_every:
+        output_dir = checkpoint_dir
+        resume = last_complete_checkpoint(Path(checkpoint_dir))
+        if resume is not None:
+            saved = json.loads((resume / STUDY_STATE).read_text())
+            timer.seconds = list(saved["step_seconds"])
+            timer.cpu_seconds = list(saved.get("step_cpu_seconds") or [])
+            if norms is not None and saved["dyn_norms"]:
+                norms.history = saved["dyn_norms"]
+            seconds_before = saved["train_seconds"]
+            print(f"resuming from {resume} (step {saved['global_step']})", flush=True)
+        callbacks.append(CheckpointSidecar(timer, norms, seconds_before))
+    callbacks.extend(extra_callbacks)
     trainer = MultiTaskTrainer(
         model=model,
-        args=training_arguments(args, seed, str(Path(workdir) / f"{kind}-seed{seed}-lr{lr:g}"), lr),
+        args=training_arguments(args, seed, output_dir, lr, save_every, resuming=resume is not None),
         train_dataset=data["train"],
         eval_dataset=data["validation"],
         data_collator=data["collator"],
@@ -184,8 +269,8 @@ def train_one(kind: str, seed: int, lr: float, args, configs: dict, data: dict, 
         callbacks=callbacks,
     )
     start = time.perf_counter()
-    result = trainer.train()
-    seconds = time.perf_counter() - start
+    result = trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    seconds = seconds_before + time.perf_counter() - start
     history = {}
     for entry in trainer.state.log_history:
         for key, value in entry.items():
@@ -204,6 +289,10 @@ def train_one(kind: str, seed: int, lr: float, args, configs: dict, data: dict, 
         elapsed.append(elapsed[-1] + value)
     eval_steps = sorted({s for points in curves.values() for s, _ in points})
     seconds_at_step = [(s, elapsed[min(s, len(elapsed) - 1)]) for s in eval_steps]
+    cpu_elapsed = [0.0]
+    for value in timer.cpu_seconds:
+        cpu_elapsed.append(cpu_elapsed[-1] + value)
+    cpu_at_step = [(s, cpu_elapsed[min(s, len(cpu_elapsed) - 1)]) for s in eval_steps]
     del trainer, model
     return {
         "model": kind,
@@ -214,12 +303,17 @@ def train_one(kind: str, seed: int, lr: float, args, configs: dict, data: dict, 
         "train_runtime": result.metrics.get("train_runtime"),
         "step_seconds_median": step_seconds,
         "train_seconds_at_step": seconds_at_step,
+        "train_cpu_seconds_at_step": cpu_at_step,
+        "step_cpu_seconds_median": statistics.median(timer.cpu_seconds[TIMING_SKIP_STEPS:] or timer.cpu_seconds)
+        if timer.cpu_seconds
+        else None,
         "tokens_per_second": data["tokens_per_step"] / step_seconds,
         "final_train_loss": train_losses[-1][1] if train_losses else None,
         "train_loss_curve": train_losses,
         "curves": curves,
         "final": final,
         "dyn_norms": norms.history if norms else None,
+        "resumed_from_step": int(resume.name.split("-")[-1]) if resume is not None else None,
     }
 
 
