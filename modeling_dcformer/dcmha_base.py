@@ -1,11 +1,8 @@
-"""What every DCMHA implementation shares: the inputs of an attention call (`DCMHAInputs`) and of one chunk of it
-(`DCMHAChunk`), the backend base class (`DCMHABackend`), the registry of implementations (`DCMHAInterface`, whose
-names are the valid values of `DCFormerConfig.dcmha_implementation`), and the chunk and mask helpers.
+"""What every DCMHA backend shares: the inputs of a call (`DCMHAInputs`) and of a chunk (`DCMHAChunk`), the base
+class (`DCMHABackend`), the registry (`DCMHAInterface`) and the chunk and mask helpers. It imports no backend (no
+cycle); `dcmha.py` imports the backends and holds the dispatch and the "auto" rule."""
 
-The backends import this module; `dcmha.py` imports the backends and holds the dispatch (`dcmha_attention`) and the
-"auto" rule. Nothing here imports a backend, so there is no import cycle.
-"""
-
+import importlib.util
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -25,10 +22,7 @@ LOCAL_CHUNK_MIN = 64
 
 
 class DCMHAChunk(NamedTuple):
-    """One chunk of queries against the keys it may see: what `dcmha_eager.attend_chunk` (and
-    `chunk_probabilities`, which ignores `value`) computes. A NamedTuple, so that `torch.utils.checkpoint` and the
-    compiled stages see plain tensors.
-
+    """One chunk of queries against the keys it may see (`dcmha_eager.attend_chunk`); a NamedTuple of plain tensors.
     query [B, N, c, Dh]; key, value [B, N, s, Dh] (value None where only the probabilities are wanted);
     query_terms [B, G, 2, 2I+1, M, c], key_terms [B, G, 2, 2I+1, M, s] (slots pre, post; time last) or None;
     query_pos [c], key_pos [s]: absolute positions; key_padding_mask [B, s] bool or None; masked: whether some query

@@ -1,9 +1,6 @@
-"""The "compiled" DCMHA backend: the eager chunks with each Compose step's two stages (`dcmha_eager.stage_hidden`,
-`stage_apply`: the same Python code) compiled by torch.compile, and its gradient (`compose_backward`) written out
-and compiled. The matrix products and the softmax stay PyTorch's own kernels; Inductor writes each stage's result
-once (one fused kernel re-derived the hidden values for every output head and the composed scores in every softmax
-pass, and its softmax was slower than PyTorch's).
-"""
+"""The "compiled" DCMHA backend: the eager chunks with each Compose step's two stages (`stage_hidden`, `stage_apply`)
+and its written-out gradient (`compose_backward`) compiled by torch.compile; products and softmax stay PyTorch's
+(docs/performance.md says why)."""
 
 import functools
 from collections.abc import Callable
@@ -59,9 +56,8 @@ class ComposeStep(torch.autograd.Function):
 
 
 def mark_dynamic(tensor: torch.Tensor | None, *dims: int) -> None:
-    """Mark dims of a compiled stage's argument dynamic (batch, query and key lengths: one compilation serves every
-    chunk); the others (heads, head size, ranks) stay static, so that the generated loops over them are unrolled
-    and vectorised."""
+    """Mark a stage argument's batch/length dims dynamic (one graph for every chunk); heads and ranks stay static
+    so that their loops are unrolled and vectorised."""
     if tensor is not None:
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())  # a negative dim would be ignored
@@ -77,11 +73,9 @@ DYNAMIC_DIMS = {
 
 
 class CompiledBackend(EagerBackend):
-    """"compiled": `EagerBackend`'s chunks with compiled stages. Every graph of a stage must be the one its inputs
-    select, in the forward pass and in the recomputation of a checkpointed chunk alike; a later, more general graph
-    must never shadow an earlier one. So the lengths are dynamic from the first call, and nothing else becomes
-    dynamic later: no automatic dynamic shapes (a new batch size, window or scale gets a graph specialised to it)
-    and no duck sizing (a chunk with as many queries as keys gets no graph of its own)."""
+    """"compiled": `EagerBackend`'s chunks with compiled stages. A later, more general graph must never shadow an
+    earlier one (forward and checkpoint recomputation must agree): lengths are dynamic from the first call, with no
+    automatic dynamic shapes and no duck sizing."""
 
     name = "compiled"
     compile_backend = "inductor"  # the tests use "aot_eager" (same tracing and autograd, no C++ to build)
@@ -122,7 +116,6 @@ class CompiledBackend(EagerBackend):
         if not compile_supported(inputs.query.device):
             return f"torch.compile cannot generate code for {inputs.query.device.type} here"
         return None
-
 
 
 COMPILED = CompiledBackend()

@@ -1,9 +1,6 @@
-"""The reference DCMHA: `compose`, the one Python definition of the Compose maths (docs/spec.md, "Compose"), and
-the "eager" backend, which runs it with PyTorch ops chunk by chunk.
-
-Everything else calls `compose`: the eager chunks (prefill, training, decode steps alike) and the "compiled"
-backend, which compiles the same two stages (`stage_hidden`, `stage_apply`). The C and Triton kernels have their
-own code and are tested against this file's numbers and the float64 oracle of the tests.
+"""The reference DCMHA: `compose`, the one Python definition of the Compose maths (docs/spec.md), and the "eager"
+backend running it chunk by chunk; "compiled" compiles the same stages, the C and Triton kernels are tested against
+this file and the tests' float64 oracle.
 
 Layouts (time last, so that the generated loops of the compiled stages vectorise along the keys):
     scores         [B, G, M, T, S]   heads split into G groups of M

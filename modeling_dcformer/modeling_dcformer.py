@@ -1,10 +1,7 @@
 """DCFormer: a causal LM whose attention is DCMHA (Dynamically Composable Multi-Head Attention).
 
-Xiao, Meng, Li, Yuan, "Improving Transformers with Dynamically Composable Multi-Head Attention", ICML 2024.
-The maths follows docs/spec.md. The architecture in transformers' order; the DCMHA implementations sit behind
-`dcmha.py`, the cache in `cache_dcformer.py`. It and its relative imports travel to the Hub as remote code.
-
-Layout of one attention layer (`DCFormerAttention`):
+Xiao et al., ICML 2024; the maths: docs/spec.md. DCMHA backends behind `dcmha.py`, the cache in `cache_dcformer.py`;
+this file and its relative imports are a save's remote code. One attention layer (`DCFormerAttention`):
     qkv_proj            fused [q; k; v] projection, all queries then all keys then all values
     q_norm, k_norm      optional per-head RMSNorm (qk-norm)
     dyn_w_proj          the composition weights' generator: dw1 [D, G, C, K], qkw [G, C, K, 2I, M], dd [D, G, C*M]
