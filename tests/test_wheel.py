@@ -119,7 +119,7 @@ REMOTE_RELOAD = """
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] == "modeling_dcformer":
-                raise ImportError(f"{name} is blocked: only the saved remote code may run")
+                raise ModuleNotFoundError(f"{name} is blocked: as if not installed", name="modeling_dcformer")
     sys.meta_path.insert(0, Block())
     import torch
     from transformers import AutoModelForCausalLM
