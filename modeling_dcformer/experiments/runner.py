@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import statistics
 import time
@@ -23,6 +22,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from ..modeling_dcformer import DynamicWeightProjection
 from .ablation import SLOT_NAMES, StaticComposition, build_model
 from .lm_corpus import BlockDataset, bits_per_byte, load_corpus, predicted_bytes_per_token
+from .report import write_atomic
 from .synthetic_tasks import PadCollator, SyntheticDataset, TaskConfig, TaskVocab
 
 TIMING_SKIP_STEPS = 5  # the first steps pay for compilation and warm caches: left out of tokens/s
@@ -199,9 +199,7 @@ class CheckpointSidecar(TrainerCallback):
             "dyn_norms": self.norms.history if self.norms else None,
             "train_seconds": self.seconds_before + time.perf_counter() - self.start,
         }
-        tmp = folder / f".{STUDY_STATE}.tmp"
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, folder / STUDY_STATE)
+        write_atomic(folder / STUDY_STATE, json.dumps(payload))
 
 
 def last_complete_checkpoint(folder: Path) -> Path | None:
