@@ -178,36 +178,25 @@ class DynamicWeightProjection(nn.Module):
             "dd": math.sqrt(2 / (D + M)) * 0.005,
         }
 
-    def input_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """dw1 and dd as one nn.Linear-style weight [G*C*K + G*C*M, D] (contiguous, in `dtype`): x's two products
-        become one GEMM whose weight is laid out as oneDNN/MKL's fast path wants it (the half-precision product
-        `x @ dw1.view(D, -1)` is 20x slower on CPU: docs/performance.md). Where no gradient is recorded, the copy
-        is kept and reused until a parameter changes (in-place updates bump its version; `.to()` replaces it)."""
+    def input_products(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [BT, D] times dw1 and dd: ([BT, G*C*K], [BT, G*C*M]). Half precision: one GEMM with dw1 and dd as one
+        contiguous nn.Linear-layout weight, copied per call (CPU's half-precision GEMM with the parameters' [D, N]
+        layout is 20x slower: docs/performance.md); float32: two GEMMs on the parameters as they are. No copy is
+        kept between calls: torch's fused AdamW (the Trainer's default) updates parameters in place without
+        bumping their version counters, so nothing could tell a kept copy is stale."""
         D = self.dw1.shape[0]
-        fused = lambda: torch.cat((self.dw1.view(D, -1), self.dd.view(D, -1)), dim=1).t()  # noqa: E731
-        records_grad = torch.is_grad_enabled() and (self.dw1.requires_grad or self.dd.requires_grad)
-        if records_grad or torch.compiler.is_compiling():
-            return fused().to(dtype).contiguous()
-        key = (self.dw1.data_ptr(), self.dw1._version, self.dd.data_ptr(), self.dd._version, dtype, self.dw1.device)
-        cached = self.__dict__.get("_input_weight")
-        if cached is None or cached[0] != key:
-            # a normal tensor even under inference_mode: a later call with grad enabled may save it for backward
-            with torch.inference_mode(False), torch.no_grad():
-                weight = fused().to(dtype).contiguous()
-            self.__dict__["_input_weight"] = cached = (key, weight)
-        return cached[1]
-
-    def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_input_weight", None)  # parameters moved or cast: the fused copy is rebuilt on use
-        return super()._apply(fn, recurse)
+        dw1, dd = self.dw1.view(D, -1), self.dd.view(D, -1)
+        if x.dtype == torch.float32:
+            return x @ dw1.float(), x @ dd.float()
+        weight = torch.cat((dw1, dd), dim=1).t().to(x.dtype).contiguous()
+        return F.linear(x, weight).split((dw1.shape[1], dd.shape[1]), dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         G, C, I, M = self.num_groups, self.num_slots, self.rank, self.heads_per_group
         K = self.dw1.shape[-1]
-        # one GEMM for both products of x (nn.Linear's layout); bmm for the per-slot second layer (einsum's
-        # dispatch costs more than the products at a decode step)
-        h, diag = F.linear(x.reshape(B * T, D), self.input_weight(x.dtype)).split((G * C * K, G * C * M), dim=1)
+        # bmm for the per-slot second layer (einsum's dispatch costs more than the products at a decode step)
+        h, diag = self.input_products(x.reshape(B * T, D))
         h = F.gelu(h)  # [BT, GCK]
         w = torch.bmm(h.view(B * T, G * C, K).transpose(0, 1), self.qkw.to(x.dtype).view(G * C, K, 2 * I * M))
         w = w.transpose(0, 1).reshape(B, T, G, C, 2 * I, M).float()  # [B, T, G, C, 2I, M]
