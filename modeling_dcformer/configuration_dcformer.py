@@ -1,6 +1,7 @@
 """Configuration of DCFormer: a GPT-NeoX (DCPythia) or LLaMA-style (DCFormer++) body with DCMHA attention.
 Travels as remote code next to `modeling_dcformer.py`."""
 
+import json
 import math
 import os
 import re
@@ -339,16 +340,10 @@ class DCFormerConfig(PreTrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **kwargs) -> "DCFormerConfig":
-        """The config of a preset shipped with the package (`configuration/NAME.json` in the repository,
-        `modeling_dcformer.configuration` once installed), e.g. `DCFormerConfig.from_preset("dcpythia-6.9b")`.
-        Keyword arguments override the preset's values (`from_preset("dcformer-tiny", window_size=None)`)."""
-        import json
+        """A preset of the installed package (`modeling_dcformer.configuration`, not remote code), `kwargs` overriding
+        its values: `DCFormerConfig.from_preset("dcformer-tiny", window_size=None)`."""
+        from modeling_dcformer.configuration import preset_file
 
-        try:  # the one preset resolver (also behind dcformer-train --config_name and compare_small.py --shape)
-            from modeling_dcformer.configuration import preset_file
-        except ModuleNotFoundError as err:  # remote code on the Hub: the presets come with the installed package
-            raise ValueError("presets need the installed modeling_dcformer package (pip install modeling-dcformer)") \
-                from err
         return cls.from_dict({**json.loads(preset_file(name).read_text()), **kwargs})
 
 
