@@ -196,7 +196,6 @@ class DCFormerConfig(PreTrainedConfig):
                 self.layer_types = ["sliding_attention" if f else "full_attention" for f in local]
         super().__post_init__(**kwargs)
         self.validate_dcmha()
-        self.validate_dynamic_init()
 
     # The strict dataclass's validators (`validate_*`): run when the config is built, and by `config.validate()`
     # (which `save_pretrained` calls), so a value changed after construction is checked before it is written. Each
@@ -245,11 +244,9 @@ class DCFormerConfig(PreTrainedConfig):
             (lambda: 0.0 <= factor <= 1.0, f"partial_rotary_factor must be in [0, 1], got {factor!r}"),
             (lambda: int(self.head_dim * factor) % 2 == 0, f"partial_rotary_factor ({factor}) times head_dim "
              f"({self.head_dim}) must give an even number of rotary dimensions"),
+            (lambda: self.dynamic_init in DYNAMIC_INITS,
+             f"dynamic_init must be one of {DYNAMIC_INITS}, got {self.dynamic_init!r}"),
         ])
-
-    def validate_dynamic_init(self):
-        raise_first([(lambda: self.dynamic_init in DYNAMIC_INITS,
-                      f"dynamic_init must be one of {DYNAMIC_INITS}, got {self.dynamic_init!r}")])
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):

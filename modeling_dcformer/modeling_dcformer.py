@@ -331,8 +331,8 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
 # Models
 # ----------------------------------------------------------------------------------------------------------------
 def installed(module: str):
-    """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, the reader lock, the released
-    layout), or None where only the remote code is here. A broken install is an error, never a silent fallback."""
+    """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, `loading`'s reader lock, the
+    released layout), or None where only the remote code is here. A broken install is an error, not a fallback."""
     try:
         return importlib.import_module(f"modeling_dcformer.{module}")
     except ModuleNotFoundError as err:
@@ -386,13 +386,14 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         would initialise missing tensors randomly, drop unused ones, cast integer ones, and only log it) with an error
         naming the config field (`checkpoint_checks.py`; `output_loading_info=True` reports instead). With the package
         installed, `loading.from_pretrained` reads a local folder under a shared lock (docs/implementations.md)."""
-        want_info = kwargs.get("output_loading_info", False)
+        source, want_info = pretrained_model_name_or_path, kwargs.get("output_loading_info", False)
         kwargs["output_loading_info"] = True  # the missing and unused tensors, checked below
-        loading = installed("loading")
-        load = super().from_pretrained if loading is None else partial(loading.from_pretrained, super().from_pretrained)
-        model, info = load(pretrained_model_name_or_path, *args, **kwargs)
+        load = super().from_pretrained
+        if (loading := installed("loading")) is not None:  # the reader lock and the package's diagnoses
+            load = partial(loading.from_pretrained, load)
+        model, info = load(source, *args, **kwargs)
         problem = None if want_info else describe_mismatch(
-            model.config, pretrained_model_name_or_path, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
+            model.config, source, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
         )
         if problem:
             raise ValueError(problem)
