@@ -399,13 +399,13 @@ class DCFormerPreTrainedModel(PreTrainedModel):
             raise ValueError(problem)
         return (model, info) if want_info else model
 
-    @staticmethod
-    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+    @classmethod  # a staticmethod in transformers 5.24, a classmethod in 5.0: `super()` calls either
+    def _load_pretrained_model(cls, model, state_dict, checkpoint_files, load_config, *args, **kwargs):
         """transformers' reading of the weight files it resolved, after refusing integer tensors where floats are
         meant (`check_dtypes`: it would cast them without a word); a quantizer's integer weights are meant."""
         quantized = load_config.is_quantized or bool(getattr(model.config, "quantization_config", None))
         check_dtypes(load_config.pretrained_model_name_or_path, checkpoint_files or [], quantized=quantized)
-        return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        return super()._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
 
     @staticmethod
     def _finalize_model_loading(model, load_config, loading_info):
