@@ -535,3 +535,10 @@ def test_saved_python_is_only_what_computes(saved):
         lines = sum(len(f.read_text().splitlines()) for f in files)
         print(f"{directory.name}: {len(files)} files, {lines} lines of remote code")
         assert lines <= REMOTE_CODE_LINES, f"{lines} lines of remote code (at most {REMOTE_CODE_LINES})"
+
+
+def test_hub_code_is_at_most_400_lines():
+    """Issue 27 item 2: saving, cards and uploads (`hub.py`, `model_card.py`) fit in 400 lines (438 before); the
+    atomic writes are `atomic_dir`'s, the lm-eval parsing is `evals/`'s."""
+    lines = sum(len(Path(module.__file__).read_text().splitlines()) for module in (hub, model_card))
+    assert lines <= 400, f"{lines} lines of hub code (at most 400)"
