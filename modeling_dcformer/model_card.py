@@ -56,7 +56,8 @@ def quantization_summary(config) -> str | None:
     if not (q := getattr(config, "quantization_config", None)):
         return None
     q = q if isinstance(q, dict) else q.to_dict()
-    method = how = str(q.get("quant_method", "unknown"))  # `how`: said in more detail for the methods below
+    method = q.get("quant_method", "unknown")  # a str, or transformers' QuantizationMethod (a str enum)
+    how = str(method)  # said in more detail for the methods below
     if method == "bitsandbytes" and q.get("load_in_4bit"):
         details = [q.get("bnb_4bit_quant_type", "fp4"), q.get("bnb_4bit_compute_dtype") and
                    f"compute dtype {q['bnb_4bit_compute_dtype']}", q.get("bnb_4bit_use_double_quant") and
