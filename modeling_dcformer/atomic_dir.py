@@ -13,6 +13,7 @@ API (stable):
     # exactly as it was
 
     atomic_dir.resolve(destination) -> Path  # the real folder a destination names (".", "..", symlinks resolved)
+    atomic_dir.write_file(path, text)        # one file, written beside it and swapped in (a model card, a report)
 
 - `destination` may be relative, ".", "..", the current directory or one above it, or a symlink (to a folder,
   to an empty folder, or dangling): the folder it names is replaced and the link is kept. An existing file there is
@@ -24,8 +25,8 @@ API (stable):
   re-save of the model. None: nothing is carried over.
 - One writer at a time per destination: a `filelock.FileLock` on the hidden sibling `.NAME.lock` is held for the
   whole write (other writers wait for it; with filelock >= 4.3 the file is removed when the write ends). Hidden
-  siblings that writers killed meanwhile left (`.NAME.tmp-*`, `.NAME.old-*`) are removed once the lock is held (an old copy is first
-  put back if the destination is missing).
+  siblings that writers killed meanwhile left (`.NAME.tmp-*`, `.NAME.old-*`) are removed once the lock is held (an
+  old copy is first put back if the destination is missing).
 - The new folder gets the mode a plain `mkdir` would give (the umask respected: 0755 under umask 022) or, when the
   destination exists, that folder's mode and group (a 2775 shared folder stays 2775).
 - The swap: Linux `renameat2(RENAME_EXCHANGE)` exchanges the two folders in one step, so the destination always
@@ -231,6 +232,20 @@ def replacing(
         os.chdir(cwd)  # it was inside the old copy, now deleted: the same path in the new one
 
 
+def write_file(path: str | os.PathLike, text: str) -> None:
+    """Write `text` (UTF-8) to a new hidden sibling of the file `path` (mode as for any new file: the umask applies),
+    then rename it over `path`: a reader, or a crash at any moment, sees the old file or the new one, whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 @contextmanager
 def reading(folder: str | os.PathLike | None, subfolder: str | None = None) -> Iterator[str | None]:
     """While a local folder is read (`DCFormerPreTrainedModel.from_pretrained`), a shared `flock` on it, which
@@ -258,4 +273,4 @@ def reading(folder: str | os.PathLike | None, subfolder: str | None = None) -> I
             os.close(fd)
 
 
-__all__ = ["reading", "replacing", "resolve"]
+__all__ = ["reading", "replacing", "resolve", "write_file"]

@@ -8,7 +8,8 @@ from .configuration_dcformer import DCFormerConfig
 
 
 class DCFormerLayerLength:
-    """What both DCFormer cache layers share: they count the tokens seen, and fill through `update_dcmha`."""
+    """What both DCFormer cache layers share: they count the tokens seen, fill through `update_dcmha`, and select
+    along the batch their key terms with their keys and values."""
 
     cumulative_length: int
 
@@ -20,6 +21,22 @@ class DCFormerLayerLength:
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
+
+    def _select(self, fn) -> None:
+        """`fn` applied along the batch to the keys, values and key terms (beam search, batch expansion)."""
+        if self.is_initialized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+            if self.key_terms is not None:
+                self.key_terms = fn(self.key_terms)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda t: t[indices, ...])
 
 
 class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
@@ -117,21 +134,6 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         self._keep(stored - remove - min(self.window_size - 1, length - remove), stored - remove)
         self.cumulative_length = length - remove
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.key_terms is not None and self.get_seq_length() > 0:
-            self.key_terms = self.key_terms.index_select(0, beam_idx.to(self.key_terms.device))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.key_terms is not None and self.get_seq_length() > 0:
-            self.key_terms = self.key_terms.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self.key_terms is not None and self.get_seq_length() > 0:
-            self.key_terms = self.key_terms[indices, ...]
-
 
 class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
     """One layer's cache in buffers of `max_cache_len` tokens, written in place at each step (no copy of what is
@@ -190,21 +192,6 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
             self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
         elif tokens_to_remove < self.cumulative_length:
             self.cumulative_length = tokens_to_remove
-
-    def _select(self, fn) -> None:
-        if self.is_initialized:
-            self.keys, self.values = fn(self.keys), fn(self.values)
-            if self.key_terms is not None:
-                self.key_terms = fn(self.key_terms)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(lambda t: t[indices, ...])
 
 
 class DCFormerCache(Cache):

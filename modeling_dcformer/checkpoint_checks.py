@@ -7,7 +7,6 @@ cast them) and unreadable weight files are one clear error each.
 """
 
 import json
-import os
 import re
 import struct
 from collections import defaultdict
@@ -68,6 +67,24 @@ def _listing(keys: list[str], limit: int = 4) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+def _presence_problem(config, field: str, keys: list[str], unused: bool) -> str:
+    """What is wrong with the checkpoint's `keys`, which the config leaves `unused` (else: lacks), by `field`."""
+    listing, value = _listing(keys), getattr(config, field, None)
+    if field == "num_hidden_layers" and unused:
+        layers = 1 + max(int(LAYER.match(key).group(1)) for key in keys)
+        return f"num_hidden_layers is {value} but the checkpoint has at least {layers} layers ({listing})"
+    if field in ("", "num_hidden_layers"):
+        return f"the checkpoint has tensors this config does not use ({listing})" if unused else (
+            f"the checkpoint lacks tensors the model needs ({listing})")
+    if field == "norm_type":
+        return f"norm_type is {value!r}{' (no bias)' if unused else ''} but the checkpoint has " + (
+            f"{'' if unused else 'no '}norm biases ({listing})")
+    if unused:
+        return (f"{field} is {value!r} but the checkpoint has tensors that only a model with {field}={not value!r} "
+                f"uses ({listing})")
+    return f"{field} is {value!r} but the checkpoint lacks the tensors it needs ({listing})"
+
+
 # The composition-slot dimension C of each dynamic weight: dw1 [D, G, C, K], qkw [G, C, K, 2I, M], dd [D, G, C*M].
 SLOT_DIMS = {"dw1": 2, "qkw": 1, "dd": 2}
 
@@ -98,37 +115,11 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
         # neither end of the model: not a checkpoint of it at all, which no config field explains
         problems.append(f"the checkpoint lacks {len(missing)} of the model's tensors ({_listing(missing)})")
         missing = []
-    by_field = defaultdict(list)
-    for key in unexpected:
-        by_field[_presence_field(key, config)].append(key)
-    for field, keys in by_field.items():
-        if field == "num_hidden_layers":
-            layers = 1 + max(int(LAYER.match(key).group(1)) for key in keys)
-            problems.append(
-                f"num_hidden_layers is {config.num_hidden_layers} but the checkpoint has at least {layers} layers "
-                f"({_listing(keys)})"
-            )
-        elif field == "norm_type":
-            problems.append(f"norm_type is {config.norm_type!r} (no bias) but the checkpoint has norm biases ({_listing(keys)})")
-        elif field:
-            problems.append(
-                f"{field} is {getattr(config, field)!r} but the checkpoint has tensors that only a model with "
-                f"{field}={not getattr(config, field)!r} uses ({_listing(keys)})"
-            )
-        else:
-            problems.append(f"the checkpoint has tensors this config does not use ({_listing(keys)})")
-    by_field = defaultdict(list)
-    for key in missing:
-        by_field[_presence_field(key, config)].append(key)
-    for field, keys in by_field.items():
-        if field in ("", "num_hidden_layers"):
-            problems.append(f"the checkpoint lacks tensors the model needs ({_listing(keys)})")
-        elif field == "norm_type":
-            problems.append(f"norm_type is {config.norm_type!r} but the checkpoint has no norm biases ({_listing(keys)})")
-        else:
-            problems.append(
-                f"{field} is {getattr(config, field)!r} but the checkpoint lacks the tensors it needs ({_listing(keys)})"
-            )
+    for keys, unused in ((unexpected, True), (missing, False)):
+        by_field = defaultdict(list)
+        for key in keys:
+            by_field[_presence_field(key, config)].append(key)
+        problems += [_presence_problem(config, field, keys, unused) for field, keys in by_field.items()]
     slot_keys, other = [], []
     for key, checkpoint_shape, model_shape in mismatched:
         key = _body_key(key)
@@ -160,52 +151,6 @@ def _safetensors_header(path: Path) -> dict:
     return header
 
 
-def _resolver(source, subfolder: str = "", **hub_kwargs):
-    """name -> the local Path of that file of `source` (a local directory, or a Hub id whose files are already in the
-    local cache), or None."""
-    if os.path.isdir(source):
-        folder = Path(source, subfolder or "")
-
-        def resolve(name):
-            return folder / name if (folder / name).is_file() else None
-
-        return resolve
-    from transformers.utils import cached_file
-
-    options = {k: hub_kwargs[k] for k in ("revision", "cache_dir", "token") if hub_kwargs.get(k) is not None}
-
-    def resolve(name):
-        try:
-            path = cached_file(
-                str(source), name, subfolder=subfolder or "", local_files_only=True,
-                _raise_exceptions_for_missing_entries=False, **options,
-            )
-        except Exception:  # noqa: BLE001 - not in the cache: nothing to check here
-            return None
-        return Path(path) if path else None
-
-    return resolve
-
-
-def checkpoint_files(source, *, subfolder: str = "", **hub_kwargs) -> list[Path]:
-    """The weight files of `source` (a local directory, or a Hub id whose files are already in the local cache
-    after loading); empty when they cannot be found without a download."""
-    if source is None:
-        return []
-    resolve = _resolver(source, subfolder, **hub_kwargs)
-
-    for index_name, single_name in (
-        ("model.safetensors.index.json", "model.safetensors"),
-        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
-    ):
-        if (index := resolve(index_name)) is not None:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return [path for shard in shards if (path := resolve(shard)) is not None]
-        if (single := resolve(single_name)) is not None:
-            return [single]
-    return []
-
-
 # DCFormer's own tensor names: ours ("model." optional, lm_head) and the released layout's.
 DCFORMER_KEY = re.compile(r"^(model\.)?(layers\.\d+\.|embed_tokens\.|norm\.)|^lm_head\." + RELEASED_NAMES)
 # Tensors no quantizer of transformers replaces (bitsandbytes and torchao quantize nn.Linear weights, and with
@@ -213,20 +158,6 @@ DCFORMER_KEY = re.compile(r"^(model\.)?(layers\.\d+\.|embed_tokens\.|norm\.)|^lm
 # dw1/qkw/dd, which are not nn.Linear and stay in the compute dtype. Integers there are corrupt even in a quantized
 # checkpoint.
 ALWAYS_FLOAT = re.compile(r"(norm|layernorm)\.(weight|bias|scale)$|\.bias$|dyn_w_proj\.(dw1|qkw|dd)$")
-
-
-def is_quantized_checkpoint(files: list[Path], config=None) -> bool:
-    """Whether integer tensors are meant: the checkpoint's config.json (beside its weight files) or the given config
-    carries a `quantization_config`, as transformers writes for bitsandbytes, torchao, GPTQ, AWQ, ... models."""
-    if config is not None and getattr(config, "quantization_config", None):
-        return True
-    for folder in {path.parent for path in files}:
-        try:
-            if json.loads((folder / "config.json").read_text()).get("quantization_config"):
-                return True
-        except (OSError, ValueError, AttributeError):
-            continue  # no readable config here: the config's own loading reports that
-    return False
 
 
 def integers_meant(key: str, quantized: bool) -> bool:
@@ -241,26 +172,28 @@ def integers_meant(key: str, quantized: bool) -> bool:
 
 def non_float_tensors(files: list[Path], quantized: bool = False) -> dict[str, str]:
     """{key: dtype} of the tensors stored with an integer or boolean dtype where floats are meant (see
-    `integers_meant`)."""
+    `integers_meant`). A file that cannot be read is skipped: transformers' loading reports it."""
     bad = {}
-    for path in files:
+    for path in map(Path, files):
         if path.suffix == ".safetensors":
-            for key, entry in _safetensors_header(path).items():
-                if entry["dtype"] in NOT_FLOAT_SAFETENSORS and not integers_meant(key, quantized):
-                    bad[key] = entry["dtype"]
+            try:
+                header = _safetensors_header(path)
+            except (OSError, ValueError, struct.error):
+                continue
+            bad.update({key: entry["dtype"] for key, entry in header.items()
+                        if entry["dtype"] in NOT_FLOAT_SAFETENSORS and not integers_meant(key, quantized)})
         else:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            for key, tensor in state.items():
-                if torch.is_tensor(tensor) and not tensor.is_floating_point() and not integers_meant(key, quantized):
-                    bad[key] = str(tensor.dtype)
+            bad.update({key: str(tensor.dtype) for key, tensor in state.items() if torch.is_tensor(tensor)
+                        and not tensor.is_floating_point() and not integers_meant(key, quantized)})
     return bad
 
 
-def check_dtypes(source, files: list[Path], config=None) -> None:
+def check_dtypes(source, files: list, quantized: bool = False) -> None:
     """Refuses a checkpoint storing integer or boolean tensors where floats are meant (loading would cast them to
-    floats without a word). A quantized checkpoint (`quantization_config` in its config.json, or in `config`, the
-    loaded model's) stores its quantized weights as integers: those are meant."""
-    bad = non_float_tensors(files, quantized=is_quantized_checkpoint(files, config))
+    floats without a word). A quantized checkpoint (`quantized`: transformers loads it with a quantizer) stores its
+    quantized weights as integers: those are meant."""
+    bad = non_float_tensors(files, quantized=quantized)
     if bad:
         listing = _listing([f"{key} ({dtype})" for key, dtype in bad.items()])
         raise ValueError(

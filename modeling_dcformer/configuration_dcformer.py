@@ -1,6 +1,8 @@
 """Configuration of DCFormer: a GPT-NeoX (DCPythia) or LLaMA-style (DCFormer++) body with DCMHA attention.
 Travels as remote code next to `modeling_dcformer.py`."""
 
+import importlib
+import json
 import math
 import os
 import re
@@ -194,7 +196,6 @@ class DCFormerConfig(PreTrainedConfig):
                 self.layer_types = ["sliding_attention" if f else "full_attention" for f in local]
         super().__post_init__(**kwargs)
         self.validate_dcmha()
-        self.validate_dynamic_init()
 
     # The strict dataclass's validators (`validate_*`): run when the config is built, and by `config.validate()`
     # (which `save_pretrained` calls), so a value changed after construction is checked before it is written. Each
@@ -243,11 +244,9 @@ class DCFormerConfig(PreTrainedConfig):
             (lambda: 0.0 <= factor <= 1.0, f"partial_rotary_factor must be in [0, 1], got {factor!r}"),
             (lambda: int(self.head_dim * factor) % 2 == 0, f"partial_rotary_factor ({factor}) times head_dim "
              f"({self.head_dim}) must give an even number of rotary dimensions"),
+            (lambda: self.dynamic_init in DYNAMIC_INITS,
+             f"dynamic_init must be one of {DYNAMIC_INITS}, got {self.dynamic_init!r}"),
         ])
-
-    def validate_dynamic_init(self):
-        raise_first([(lambda: self.dynamic_init in DYNAMIC_INITS,
-                      f"dynamic_init must be one of {DYNAMIC_INITS}, got {self.dynamic_init!r}")])
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -339,17 +338,10 @@ class DCFormerConfig(PreTrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **kwargs) -> "DCFormerConfig":
-        """The config of a preset shipped with the package (`configuration/NAME.json` in the repository,
-        `modeling_dcformer.configuration` once installed), e.g. `DCFormerConfig.from_preset("dcpythia-6.9b")`.
-        Keyword arguments override the preset's values (`from_preset("dcformer-tiny", window_size=None)`)."""
-        import json
-
-        try:  # the one preset resolver (also behind dcformer-train --config_name and compare_small.py --shape)
-            from modeling_dcformer.configuration import preset_file
-        except ModuleNotFoundError as err:  # remote code on the Hub: the presets come with the installed package
-            raise ValueError("presets need the installed modeling_dcformer package (pip install modeling-dcformer)") \
-                from err
-        return cls.from_dict({**json.loads(preset_file(name).read_text()), **kwargs})
+        """A preset of the installed package (`modeling_dcformer.configuration`, not remote code), `kwargs` overriding
+        its values: `DCFormerConfig.from_preset("dcformer-tiny", window_size=None)`."""
+        presets = importlib.import_module("modeling_dcformer.configuration")  # not a remote-code import to check
+        return cls.from_dict({**json.loads(presets.preset_file(name).read_text()), **kwargs})
 
 
 __all__ = ["DCFormerConfig", "parse_window_type"]

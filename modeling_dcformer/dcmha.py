@@ -17,7 +17,7 @@ import torch
 from transformers.utils import logging
 
 from .dcmha_base import (  # noqa: F401  (re-exported: the interface's public names)
-    BUILT_IN_IMPLEMENTATIONS, LOCAL_CHUNK_MIN, DCMHABackend, DCMHAChunk, DCMHAInputs, DCMHAInterface, UnavailableBackend,
+    BUILT_IN_IMPLEMENTATIONS, LOCAL_CHUNK_MIN, DCMHABackend, DCMHAChunk, DCMHAInputs, DCMHAInterface,
     compile_supported, implementation_names, join_chunks, packed, time_last, visible_keys,
 )
 from .dcmha_compiled import COMPILED
@@ -31,7 +31,8 @@ AUTO_COMPILE_MIN_SCORES = 1 << 20
 
 
 class LazyBackend(DCMHABackend):
-    """A built-in backend imported from `module` (a sibling of this file) on first use."""
+    """A built-in backend imported from `module` (a sibling of this file) on first use; where that module is not
+    there (remote code: the kernels stay in the installed package), unavailable, saying why."""
 
     def __init__(self, name: str, module: str, attribute: str):
         self.name, self._module, self._attribute = name, module, attribute
@@ -39,25 +40,24 @@ class LazyBackend(DCMHABackend):
 
     @property
     def backend(self) -> DCMHABackend:
-        if self._backend is None:
+        if self._backend is None and self.failure is None:
             try:
-                module = importlib.import_module(f".{self._module}", __package__)
-                self._backend = getattr(module, self._attribute)
-            except ImportError as err:  # remote code: the kernels stay in the installed package
-                self._backend = UnavailableBackend(
-                    self.name, f"its module is not here ({err}); `pip install modeling-dcformer` provides it"
-                )
-                logger.info(f'DCMHA "{self.name}" is unavailable: {self._backend.failure}')
-        return self._backend
+                self._backend = getattr(importlib.import_module(f".{self._module}", __package__), self._attribute)
+            except ImportError as err:
+                self.failure = f"its module is not here ({err}); `pip install modeling-dcformer` provides it"
+                logger.info(f'DCMHA "{self.name}" is unavailable: {self.failure}')
+        return self._backend or self
 
     def why_not(self, inputs, output_attentions=False):
-        return self.backend.why_not(inputs, output_attentions)
+        return self.failure if self.backend is self else self.backend.why_not(inputs, output_attentions)
 
     def __call__(self, inputs, *, output_attentions=False, recompute=False):
+        if self.backend is self:
+            raise ValueError(f'dcmha_implementation="{self.name}" is unavailable: {self.failure}')
         return self.backend(inputs, output_attentions=output_attentions, recompute=recompute)
 
     def record_failure(self, err):
-        self.backend.record_failure(err)
+        (super() if self.backend is self else self.backend).record_failure(err)
 
 
 def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):

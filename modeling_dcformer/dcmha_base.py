@@ -222,16 +222,6 @@ class DCMHABackend:
         logger.warning(f'DCMHA "{self.name}" {self.failure}; dcmha_implementation="auto" does without it')
 
 
-class UnavailableBackend(DCMHABackend):
-    """A built-in backend whose module cannot be imported here (the kernels are not shipped as remote code)."""
-
-    def __init__(self, name: str, reason: str):
-        self.name, self.failure = name, reason
-
-    def __call__(self, inputs, *, output_attentions=False, recompute=False):
-        raise ValueError(f'dcmha_implementation="{self.name}" is unavailable: {self.failure}')
-
-
 class DCMHAInterface(GeneralInterface):
     """The registry of DCMHA implementations: name -> backend (the built-ins are added by `dcmha.py`).
     `DCMHAInterface.register(name, backend)` adds one for every model of the process: the name becomes a valid

@@ -9,11 +9,15 @@ import shutil
 import uuid
 from pathlib import Path
 
+from huggingface_hub import HfApi
+from huggingface_hub.errors import EntryNotFoundError, RevisionNotFoundError
+from transformers import PreTrainedModel
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils import logging
 
 from . import atomic_dir
-from .model_card import card_options, is_generated_card, write_model_card
+from .evals.lm_eval_results import read_eval_results
+from .model_card import card_options, check_repo_id, is_generated_card, is_hub_id, users_readme, write_model_card
 
 logger = logging.get_logger(__name__)
 
@@ -31,7 +35,6 @@ _WEIGHT_FILE = re.compile(
 UPLOAD_KEYS = ("private", "token", "commit_message", "commit_description", "create_pr", "revision",
                "overwrite_model_card")
 BLANK_CARD = "This is the model card of a 🤗 transformers model that has been pushed on the Hub."  # transformers'
-
 
 
 def remote_code_files() -> list[Path]:  # what `custom_object_save` copies: the model file and its relative imports
@@ -56,34 +59,26 @@ def update_config_file(directory: str | os.PathLike, auto_map: bool = True, save
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_remote_code(directory: str | os.PathLike) -> list[str]:
-    """Copy the remote code into a converter's output `directory` and point `auto_map` at it; returns the names."""
+def write_remote_code(directory: str | os.PathLike) -> None:
+    """Copy the remote code into a converter's output `directory` and point `auto_map` at it."""
     update_config_file(directory, auto_map=True)
     for source in remote_code_files():
         shutil.copyfile(source, Path(directory) / source.name)
-    return [source.name for source in remote_code_files()]
 
 
-def _users_readme(folder: Path) -> bool:  # a README.md there that this package did not write
-    readme = folder / "README.md"
-    return readme.is_file() and not is_generated_card(readme.read_text(encoding="utf-8", errors="replace"))
-
-
-def finish_directory(model, directory: Path, *, remote_code: bool, card: dict | None, users_readme: bool) -> None:
+def finish_directory(model, directory: Path, *, remote_code: bool, card: dict | None) -> None:
     """After transformers' save: `auto_map` (or no code), a new `save_id`, the card (`card`: its options, or None)."""
     if not remote_code:
         for source in remote_code_files():
             (directory / source.name).unlink(missing_ok=True)
     update_config_file(directory, auto_map=remote_code, save_id=uuid.uuid4().hex)
-    if card is not None and not (users_readme and not card.get("overwrite")):
+    if card is not None:
         write_model_card(directory, model.config, **card)
 
 
 def save_pretrained(model, save_directory, *args, remote_code: bool = True, model_card: bool | dict = True,
                     push_to_hub: bool = False, repo_id: str | None = None, **kwargs) -> None:
     """What `DCFormerPreTrainedModel.save_pretrained` does (module docstring; docs/implementations.md)."""
-    from transformers import PreTrainedModel
-
     push = getattr(model, "_dcformer_push", None)  # inside `push_to_hub`: its options
     if push is not None:
         remote_code, model_card = push["remote_code"], push["card"]
@@ -98,11 +93,12 @@ def save_pretrained(model, save_directory, *args, remote_code: bool = True, mode
         card["repo_id"] = card.get("repo_id") or repo_id
         if push is not None:
             push["card"] = card
-    users_readme = _users_readme(target)
+        if not card.get("overwrite") and users_readme(target):
+            card = None  # the user's README.md stays (carried over into the new save)
     if not on_this_rank or getattr(model, "_tp_size", None) is not None:  # collective: every rank, in place
         PreTrainedModel.save_pretrained(model, save_directory, *args, **kwargs)
         if on_this_rank:
-            finish_directory(model, target, remote_code=remote_code, card=card, users_readme=users_readme)
+            finish_directory(model, target, remote_code=remote_code, card=card)
         return
     code = {f.name for f in remote_code_files()}
     keep = lambda name: not _WEIGHT_FILE.match(name) and (remote_code or name not in code)  # noqa: E731
@@ -110,20 +106,19 @@ def save_pretrained(model, save_directory, *args, remote_code: bool = True, mode
         PreTrainedModel.save_pretrained(model, tmp, *args, **kwargs)
         if not (tmp / "config.json").is_file():
             raise OSError(f"saving to {target} wrote no config.json: nothing was changed there")
-        finish_directory(model, tmp, remote_code=remote_code, card=card, users_readme=users_readme)
-    if push_to_hub:
-        upload_saved(model, target, repo_id, card, **upload)
+        finish_directory(model, tmp, remote_code=remote_code, card=card)
+    if push_to_hub:  # the directory is complete: a failed upload says so, and how to retry it alone
+        try:
+            push_folder(target, repo_id, card=None if card is None else (model.config, card), **upload)
+        except Exception as err:
+            raise HubUploadError.of(err, repo_id, target, upload.get("private")) from None
 
 
 def push_to_hub(model, repo_id: str, *, remote_code: bool = True, overwrite_model_card: bool = False,
                 license: str | None = "apache-2.0", base_model: str | None = None, eval_results=None, **kwargs):
     """transformers' `push_to_hub` (`kwargs`: its options) saving with `remote_code` and a card with `license`,
     `base_model`, `eval_results` (`upload_pushed`). Returns the `CommitInfo`; a failure is one `HubUploadError`."""
-    from transformers import PreTrainedModel
-
     if eval_results is not None:
-        from .evals.lm_eval_results import read_eval_results
-
         read_eval_results(eval_results)  # malformed results fail before anything is created on the Hub
     check_repo_id(repo_id)
     card = dict(license=license, base_model=base_model, eval_results=eval_results, tags=kwargs.get("tags"))
@@ -150,44 +145,11 @@ def upload_pushed(model, folder, repo_id: str, *, files_timestamps=None, **uploa
     return upload_folder(folder, repo_id, **{**upload_kwargs, "overwrite_model_card": True})
 
 
-def is_hub_id(name) -> bool:
-    """Whether `name` reads as a Hub repository id ("name" or "namespace/name") rather than a local path."""
-    if not isinstance(name, str) or name.startswith((".", "/", "~")) or os.path.isabs(name):
-        return False
-    try:
-        check_repo_id(name)
-    except ValueError:
-        return False
-    return True
-
-
-def check_repo_id(repo_id) -> str:
-    """`repo_id` if it is a valid Hub repository id, else a ValueError saying what one looks like."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        if not repo_id:
-            raise HFValidationError("it is empty")
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise ValueError(f"{repo_id!r} is not a Hub repository id: use 'name' or 'namespace/name' ({err})") from None
-    return repo_id
-
-
-def create_repo(repo_id: str, *, private: bool | None = None, token: str | bool | None = None) -> str:
-    from huggingface_hub import HfApi  # the full id ("namespace/name") of the repository, created if need be
-
-    return HfApi().create_repo(check_repo_id(repo_id), private=private, token=token, exist_ok=True).repo_id
-
-
 def upload_folder(folder: str | os.PathLike, repo_id: str, *, token: str | bool | None = None,
                   revision: str | None = None, create_pr: bool = False, commit_message: str | None = None,
                   commit_description: str | None = None, overwrite_model_card: bool = False):
     """Upload `folder` to `repo_id` in one commit, keeping a README.md on the Hub that this package did not generate
     (unless `overwrite_model_card`)."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import EntryNotFoundError, RevisionNotFoundError
-
     api = HfApi()
     if revision is not None and not revision.startswith("refs/pr"):
         api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
@@ -209,9 +171,13 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, *, token: str | bool 
 
 
 def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None = None,
-                token: str | bool | None = None, **upload_kwargs):
-    """Publish a saved (or converted) model directory as it is."""
-    return upload_folder(folder, create_repo(repo_id, private=private, token=token), token=token, **upload_kwargs)
+                token: str | bool | None = None, card: tuple | None = None, **upload_kwargs):
+    """Publish a saved (or converted) model directory as it is, creating the repository if need be. `card`: (config,
+    card options) of the card to write again for the full id where the Hub added a namespace to `repo_id`."""
+    full_id = HfApi().create_repo(check_repo_id(repo_id), private=private, token=token, exist_ok=True).repo_id
+    if card is not None and full_id != card[1].get("repo_id") and not users_readme(Path(folder)):
+        write_model_card(folder, card[0], **{**card[1], "repo_id": full_id})
+    return upload_folder(folder, full_id, token=token, **upload_kwargs)
 
 
 def retry_upload_command(repo_id: str, directory: str | os.PathLike, private: bool | None = False) -> str:
@@ -221,38 +187,24 @@ def retry_upload_command(repo_id: str, directory: str | os.PathLike, private: bo
 
 
 class HubUploadError(OSError):
-    """A failed upload; `cause`: the error behind it, kept here instead of chained (the traceback is one message)."""
+    """A failed upload, in one message saying what is saved and how to retry; `cause`: the error behind it (kept here
+    instead of chained: the traceback is one message)."""
 
     cause: BaseException | None = None
 
     @classmethod
     def of(cls, err: BaseException, repo_id: str, directory=None, private: bool | None = None) -> "HubUploadError":
-        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-        if directory is None:
-            message = (f"uploading the model to the Hugging Face Hub repository {repo_id!r} failed ({reason}); "
-                       f"nothing was saved locally. Retry with `model.push_to_hub({repo_id!r})` once the Hub is "
-                       "reachable, or save it with save_pretrained(DIR) and upload DIR with `hf upload`")
-        else:
-            message = (f"saved the model to {directory} (complete: it loads with from_pretrained), but uploading it "
-                       f"to the Hugging Face Hub repository {repo_id!r} failed ({reason}). Retry the upload alone "
-                       f"with `{retry_upload_command(repo_id, directory, private)}`, or with "
-                       f"`model.push_to_hub({repo_id!r})`")
-        error = cls(message)
+        failed = (f"the Hugging Face Hub repository {repo_id!r} failed "
+                  f"({type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]})")
+        retry = f"`model.push_to_hub({repo_id!r})`"
+        error = cls(
+            f"uploading the model to {failed}; nothing was saved locally. Retry with {retry} once the Hub is "
+            "reachable, or save it with save_pretrained(DIR) and upload DIR with `hf upload`" if directory is None else
+            f"saved the model to {directory} (complete: it loads with from_pretrained), but uploading it to {failed}. "
+            f"Retry the upload alone with `{retry_upload_command(repo_id, directory, private)}`, or with {retry}"
+        )
         error.cause = err
         return error
-
-
-def upload_saved(model, directory: Path, repo_id: str, card: dict | None = None, *, private: bool | None = None,
-                 token: str | bool | None = None, **upload_kwargs):
-    """`save_pretrained(..., push_to_hub=True)`'s upload of the complete `directory` (the card renamed for the full
-    id where the Hub added a namespace); a failure is a `HubUploadError` saying the directory is complete."""
-    try:
-        full_id = create_repo(repo_id, private=private, token=token)
-        if card is not None and full_id != card.get("repo_id") and not _users_readme(directory):
-            write_model_card(directory, model.config, **{**card, "repo_id": full_id})
-        return upload_folder(directory, full_id, token=token, **upload_kwargs)
-    except Exception as err:
-        raise HubUploadError.of(err, repo_id, directory, private) from None
 
 
 __all__ = ["AUTO_MAP", "HubUploadError", "check_repo_id", "is_hub_id", "push_folder", "push_to_hub",

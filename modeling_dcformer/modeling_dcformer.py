@@ -10,7 +10,7 @@ this file and its relative imports are a save's remote code. One attention layer
 
 import importlib
 import math
-from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from transformers.utils import logging
 
 from .cache_dcformer import DCFormerCache, check_cache, check_cache_implementation
 from .configuration_dcformer import DCFormerConfig, check_attn_implementation
-from .checkpoint_checks import check_dtypes, checkpoint_files, describe_mismatch
+from .checkpoint_checks import check_dtypes, describe_mismatch
 from .dcmha import DCMHAInputs, dcmha_attention
 
 logger = logging.get_logger(__name__)
@@ -319,13 +319,9 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------------------
-# from_pretrained's arguments that say where the files are: passed on to the config and checkpoint reads here
-HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
-
-
 def installed(module: str):
-    """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, the reader lock, the released
-    layout), or None where only the remote code is here. A broken install is an error, never a silent fallback."""
+    """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, `loading`'s reader lock, the
+    released layout), or None where only the remote code is here. A broken install is an error, not a fallback."""
     try:
         return importlib.import_module(f"modeling_dcformer.{module}")
     except ModuleNotFoundError as err:
@@ -377,35 +373,28 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, refusing a checkpoint that does not match its config (transformers
         would initialise missing tensors randomly, drop unused ones, cast integer ones, and only log it) with an error
-        naming the config field (`checkpoint_checks.py`; `output_loading_info=True` reports instead). A local folder
-        is read under a shared lock, and a config read before another save replaced the folder is read again."""
-        want_info = kwargs.get("output_loading_info", False)
+        naming the config field (`checkpoint_checks.py`; `output_loading_info=True` reports instead). With the package
+        installed, `loading.from_pretrained` reads a local folder under a shared lock (docs/implementations.md)."""
+        source, want_info = pretrained_model_name_or_path, kwargs.get("output_loading_info", False)
         kwargs["output_loading_info"] = True  # the missing and unused tensors, checked below
-        source, config = pretrained_model_name_or_path, kwargs.get("config")
-        hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if kwargs.get(k) is not None}
-        released, atomic_dir = installed("released_format"), installed("atomic_dir")
-        if released is not None and isinstance(config, DCFormerConfig):
-            released.check_query_wise(config, source, hub_kwargs)
-        reading = atomic_dir.reading if atomic_dir else lambda *args: nullcontext(getattr(config, "save_id", None))
-        with reading(source, hub_kwargs.get("subfolder")) as save_id:
-            if getattr(config, "save_id", None) not in (None, save_id):  # a config read from an earlier save
-                logger.warning(f"{source} was saved again since its config was read: reading the new one")
-                kwargs.pop("config")  # (by AutoModel*, say, just before the folder was replaced)
-            try:
-                model, info = super().from_pretrained(source, *args, **kwargs)
-            except Exception:  # an unreadable weight file or shard index: one line naming it (package only)
-                weight_files = installed("weight_files")
-                problem = weight_files and weight_files.describe_unreadable(source, **hub_kwargs)
-                if problem is None:
-                    raise
-                raise OSError(problem) from None
-            check_dtypes(source, checkpoint_files(source, **hub_kwargs), config=model.config)
+        load = super().from_pretrained
+        if (loading := installed("loading")) is not None:  # the reader lock and the package's diagnoses
+            load = partial(loading.from_pretrained, load)
+        model, info = load(source, *args, **kwargs)
         problem = None if want_info else describe_mismatch(
             model.config, source, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
         )
         if problem:
             raise ValueError(problem)
         return (model, info) if want_info else model
+
+    @classmethod  # a staticmethod in transformers 5.24, a classmethod in 5.0: `super()` calls either
+    def _load_pretrained_model(cls, model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        """transformers' reading of the weight files it resolved, after refusing integer tensors where floats are
+        meant (`check_dtypes`: it would cast them without a word); a quantizer's integer weights are meant."""
+        quantized = load_config.is_quantized or bool(getattr(model.config, "quantization_config", None))
+        check_dtypes(load_config.pretrained_model_name_or_path, checkpoint_files or [], quantized=quantized)
+        return super()._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
 
     @staticmethod
     def _finalize_model_loading(model, load_config, loading_info):

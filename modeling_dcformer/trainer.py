@@ -13,7 +13,8 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, Trainer
 
-from .model_card import card_options, is_generated_card, model_card, replace_file
+from .atomic_dir import write_file
+from .model_card import card_options, is_generated_card, model_card
 
 TRAINER_SECTION = "## Training (written by transformers' Trainer)"
 
@@ -100,7 +101,7 @@ def keep_dcformer_card(trainer, before: str | None = None, model_name: str | Non
         return None  # the user's own card: Trainer's behaviour
     merged = merge_trainer_card(before, path.read_text(encoding="utf-8"), getattr(trainer, "hub_model_id", None),
                                 model_name)
-    replace_file(path, merged)
+    write_file(path, merged)
     return path
 
 

@@ -8,7 +8,30 @@ import os
 import struct
 from pathlib import Path
 
-from .checkpoint_checks import _listing, _resolver
+from .checkpoint_checks import _listing
+
+
+def _resolver(source, subfolder: str = "", **hub_kwargs):
+    """name -> the local Path of that file of `source` (a local directory, or a Hub id whose files are already in the
+    local cache), or None."""
+    if os.path.isdir(source):
+        folder = Path(source, subfolder or "")
+        return lambda name: folder / name if (folder / name).is_file() else None
+    from transformers.utils import cached_file
+
+    options = {k: hub_kwargs[k] for k in ("revision", "cache_dir", "token") if hub_kwargs.get(k) is not None}
+
+    def resolve(name):
+        try:
+            path = cached_file(
+                str(source), name, subfolder=subfolder or "", local_files_only=True,
+                _raise_exceptions_for_missing_entries=False, **options,
+            )
+        except Exception:  # noqa: BLE001 - not in the cache: nothing to check here
+            return None
+        return Path(path) if path else None
+
+    return resolve
 
 
 def _safetensors_problem(path: Path) -> str | None:

@@ -29,8 +29,8 @@ from released_checkpoint import released_dir
 CODE_FILES = {p.name for p in hub.remote_code_files()}
 assert {"modeling_dcformer.py", "configuration_dcformer.py", "dcmha.py", "dcmha_eager.py", "dcmha_compiled.py",
         "cache_dcformer.py", "checkpoint_checks.py"} <= CODE_FILES
-assert not CODE_FILES & {"hub.py", "atomic_dir.py", "model_card.py", "trainer.py", "cpu_kernel.py",
-                         "triton_kernel.py", "released_format.py"}  # a save is in our names: no released format
+assert not CODE_FILES & {"hub.py", "atomic_dir.py", "model_card.py", "trainer.py", "cpu_kernel.py", "loading.py",
+                         "weight_files.py", "triton_kernel.py", "released_format.py"}  # a save is in our names
 LM_EVAL_RESULTS = {  # the shape of what lm-eval / dcformer-eval write (abridged)
     "results": {
         "piqa_local": {"alias": "piqa_local", "acc,none": 0.625, "acc_stderr,none": 0.125, "acc_norm,none": 0.5,
@@ -516,8 +516,10 @@ def test_released_converter_pushes_with_base_model(fake_hub, tmp_path, capsys, m
     assert "released checkpoint" in card.text
 
 
-# 3,440 before issue 27, 2,817 before the released format and the saving helpers left it; the issue's target is 2,000
-REMOTE_CODE_LINES = 2310  # a no-growth guard on the way to the target
+# 3,440 before issue 27, 2,817 before the released format and the saving helpers left it, 2,310 before the loading
+# additions (loading.py), the presets and the weight-file resolver left it; the issue's target, 2,000, is not met: what
+# is left is the model, config, cache, DCMHA interface and backends, and the load-time checks
+REMOTE_CODE_LINES = 2201  # a no-growth guard on the way to the target
 
 
 def test_saved_python_is_only_what_computes(saved):
@@ -533,3 +535,10 @@ def test_saved_python_is_only_what_computes(saved):
         lines = sum(len(f.read_text().splitlines()) for f in files)
         print(f"{directory.name}: {len(files)} files, {lines} lines of remote code")
         assert lines <= REMOTE_CODE_LINES, f"{lines} lines of remote code (at most {REMOTE_CODE_LINES})"
+
+
+def test_hub_code_is_at_most_400_lines():
+    """Issue 27 item 2: saving, cards and uploads (`hub.py`, `model_card.py`) fit in 400 lines (438 before); the
+    atomic writes are `atomic_dir`'s, the lm-eval parsing is `evals/`'s."""
+    lines = sum(len(Path(module.__file__).read_text().splitlines()) for module in (hub, model_card))
+    assert lines <= 400, f"{lines} lines of hub code (at most 400)"

@@ -6,6 +6,7 @@ Trainer's; a `save_pretrained(..., push_to_hub=True)` whose upload fails leaves 
 to retry. The Hub API is replaced by fakes: no network."""
 
 import json
+import os
 import re
 
 import pytest
@@ -327,3 +328,30 @@ def test_card_of_a_converted_model_trained_since(tmp_path):
     text = (tmp_path / "trained" / "README.md").read_text()
     assert "exactly the source's function" not in text
     assert "Its weights have changed since the conversion (trained or edited)." in text
+
+
+def test_one_atomic_file_write_for_cards_and_reports(tmp_path, monkeypatch):
+    """Issue 27 item 2: `atomic_dir.write_file` is the package's one write-beside-and-rename of a file (the card,
+    Trainer's card merge, the study's reports): a new file gets the umask's mode (not a temporary file's 0600), and a
+    write that fails before the rename leaves the old file whole and no temporary file beside it."""
+    import stat
+
+    from modeling_dcformer import atomic_dir
+    from modeling_dcformer.experiments import report
+
+    assert report.write_atomic is atomic_dir.write_file
+    path = tmp_path / "README.md"
+    umask = os.umask(0o022)
+    try:
+        atomic_dir.write_file(path, "first \u00fc\r\n")
+    finally:
+        os.umask(umask)
+    assert path.read_bytes() == "first \u00fc\r\n".encode() and stat.S_IMODE(path.stat().st_mode) == 0o644
+
+    def disk_full(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(atomic_dir.os, "replace", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_dir.write_file(path, "second")
+    assert path.read_bytes() == "first \u00fc\r\n".encode() and [p.name for p in tmp_path.iterdir()] == ["README.md"]

@@ -12,6 +12,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from ..atomic_dir import write_file as write_atomic  # the package's one atomic file write
 from .ablation import DC_MODELS, LABELS, MODELS, SLOT_NAMES
 from .flops import flops_per_step
 
@@ -19,18 +20,6 @@ SYNTHETIC_METRICS = ("loss", "accuracy", "seq_accuracy", "accuracy_easy", "accur
 LM_METRICS = ("loss", "perplexity", "bits_per_byte")
 AXES = ("tokens", "flops", "seconds")
 AXIS_LABELS = {"tokens": "training tokens", "flops": "training FLOPs", "seconds": "training seconds"}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Writes `text` beside `path` and swaps it in: an interruption never leaves a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_figure(fig, path: Path) -> None:
