@@ -321,11 +321,12 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 def installed(module: str):
     """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, `loading`'s reader lock, the
-    released layout), or None where only the remote code is here. A broken install is an error, not a fallback."""
+    released layout), or None where only the remote code is here or the installed version lacks that module (a
+    save of a newer version). An import error inside the module is raised: a broken install is not a fallback."""
     try:
         return importlib.import_module(f"modeling_dcformer.{module}")
     except ModuleNotFoundError as err:
-        if err.name != "modeling_dcformer":
+        if err.name not in ("modeling_dcformer", f"modeling_dcformer.{module}"):
             raise
         return None
 
