@@ -10,7 +10,9 @@ this file and its relative imports are a save's remote code. One attention layer
 
 import importlib
 import math
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -321,14 +323,16 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 def installed(module: str):
     """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, `loading`'s reader lock, the
-    released layout), or None where only the remote code is here or the installed version lacks that module (a
-    save of a newer version). An import error inside the module is raised: a broken install is not a fallback."""
+    released layout), or None where only the remote code is here or the installed version has no such file (a
+    save of a newer version). A module that is there but fails to import is an error, never a fallback."""
     try:
         return importlib.import_module(f"modeling_dcformer.{module}")
     except ModuleNotFoundError as err:
-        if err.name not in ("modeling_dcformer", f"modeling_dcformer.{module}"):
-            raise
-        return None
+        package = sys.modules.get("modeling_dcformer")
+        older = package is not None and not Path(package.__file__).with_name(f"{module}.py").exists()
+        if err.name == "modeling_dcformer" or (err.name == f"modeling_dcformer.{module}" and older):
+            return None
+        raise
 
 
 class DCFormerPreTrainedModel(PreTrainedModel):

@@ -102,11 +102,12 @@ def test_returned_attentions_are_the_ones_used_and_match_the_oracle():
             assert_close(ours, probs[0])
 
 
-@pytest.mark.parametrize("implementation", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("implementation", ["eager", pytest.param("compiled", marks=pytest.mark.expensive)])
 def test_gradient_of_the_returned_attentions_matches_the_oracle(implementation):
     """One attention layer called directly: dLoss/dP of the returned probabilities P against the oracle's (float64,
     autograd through its own einsum P v) on every key a query sees, local and global layer ("compiled": the same
-    chunks with compiled stages; about 30 s of compilation)."""
+    chunks with compiled stages, with `pytest -m expensive`: its Inductor compilation takes minutes in the suite;
+    the default run has "compiled"'s probabilities and gradients in tests/test_dcmha_backends.py)."""
     model = build_model(attention_config(dcmha_implementation=implementation)).train()
     B, T = 2, 11
     x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(2))

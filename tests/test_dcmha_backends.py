@@ -53,13 +53,22 @@ def aot_eager_compile():
     torch._dynamo.reset()
 
 
-@pytest.fixture(params=BUILT_IN)
-def backend(request):
-    name = request.param
+def usable(name: str) -> str:
     problem = DCMHA_BACKENDS[name].why_not(probe_inputs())
     if problem is not None:
         pytest.skip(f'"{name}" cannot run here: {problem}')
     return name
+
+
+@pytest.fixture(params=BUILT_IN)
+def backend(request):
+    return usable(request.param)
+
+
+# The slowest combinations run with `pytest -m expensive` (the suite's time budget, docs/testing.md); the default run
+# still has each backend's logits, gradients, probabilities and decoding: Triton's decode and gradient steps in its
+# CPU interpreter (minutes), and "compiled" on one options set fewer (each set traces its own graphs).
+EXPENSIVE = pytest.mark.expensive
 
 
 OPTIONS = {
@@ -69,8 +78,13 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize(
+    "backend, options",
+    [(b, o) for b in BUILT_IN for o in OPTIONS if (b, o) != ("compiled", "chunk4")]
+    + [pytest.param("compiled", "chunk4", marks=EXPENSIVE)],
+)
 def test_logits_match_eager_and_oracle(backend, options):
+    backend = usable(backend)
     config = make_config(use_qk_norm=True, window_size=4, dcmha_implementation="eager", **OPTIONS[options])
     model = build_model(config).eval()
     input_ids, mask = padded_batch()
@@ -83,9 +97,11 @@ def test_logits_match_eager_and_oracle(backend, options):
     assert_rows_match_oracle(model, logits, input_ids, mask)
 
 
+@pytest.mark.parametrize("backend", ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)])
 def test_gradients_match_eager(backend):
     """A training step (local and global layers, padding on both sides, chunks recomputed in the backward pass):
     logits and every parameter's gradient against "eager"; a backend without gradients says so."""
+    backend = usable(backend)
     config = make_config(
         use_qk_norm=True, window_size=4, num_head_groups=2, attention_chunk_size=5, dcmha_implementation="eager"
     )
@@ -120,7 +136,9 @@ def test_probabilities_match_eager(backend):
         assert_close(a, b)
 
 
+@pytest.mark.parametrize("backend", ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)])
 def test_decoding_matches_full_forward(backend):
+    backend = usable(backend)
     config = make_config(use_qk_norm=True, window_size=4, attention_chunk_size=3, dcmha_implementation=backend)
     assert_decoding_matches_full_forward(build_model(config))
 
