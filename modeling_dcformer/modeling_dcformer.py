@@ -190,7 +190,7 @@ class DynamicWeightProjection(nn.Module):
         dw1, dd = self.dw1.view(D, -1), self.dd.view(D, -1)
         if x.dtype == torch.float32:
             return x @ dw1.float(), x @ dd.float()
-        weight = torch.cat((dw1, dd), dim=1).t().to(x.dtype).contiguous()
+        weight = torch.cat((dw1.t(), dd.t())).to(x.dtype)  # one copy, written in the [N, D] layout
         return F.linear(x, weight).split((dw1.shape[1], dd.shape[1]), dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
