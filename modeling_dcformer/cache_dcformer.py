@@ -207,6 +207,9 @@ class DCFormerCache(Cache):
                 raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
             layers = [DCFormerStaticCacheLayer(max_cache_len, window) for window in windows]
         super().__init__(layers=layers)
+        # per layer, the dynamic-weight projection's half-precision input weight (DynamicWeightProjection's
+        # `input_products`): made at the first step, reused by the later steps of the same generation
+        self.projection_weights: dict[int, dict] = {}
 
     def update_dcmha(self, key, value, key_terms, layer_idx: int, window_size: int | None):
         """Append this step's keys, values and key terms; returns (keys, values, key_terms, key_start) to attend to."""

@@ -180,25 +180,32 @@ class DynamicWeightProjection(nn.Module):
             "dd": math.sqrt(2 / (D + M)) * 0.005,
         }
 
-    def input_products(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def input_products(self, x: torch.Tensor, kept: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [BT, D] times dw1 and dd: ([BT, G*C*K], [BT, G*C*M]). Half precision: one GEMM with dw1 and dd as one
-        contiguous nn.Linear-layout weight, copied per call (CPU's half-precision GEMM with the parameters' [D, N]
-        layout is 20x slower: docs/performance.md); float32: two GEMMs on the parameters as they are. No copy is
-        kept between calls: torch's fused AdamW (the Trainer's default) updates parameters in place without
-        bumping their version counters, so nothing could tell a kept copy is stale."""
+        contiguous nn.Linear-layout weight (CPU's half-precision GEMM with the parameters' [D, N] layout is 20x
+        slower: docs/performance.md), copied per forward, or kept in `kept` (the cache's, for one generation) where
+        no gradient is recorded; float32: two GEMMs on the parameters as they are. Nothing is kept on the module:
+        torch's fused AdamW updates parameters without bumping their version counters, so no key could tell that
+        a copy kept across forwards is stale."""
         D = self.dw1.shape[0]
         dw1, dd = self.dw1.view(D, -1), self.dd.view(D, -1)
         if x.dtype == torch.float32:
             return x @ dw1.float(), x @ dd.float()
-        weight = torch.cat((dw1.t(), dd.t())).to(x.dtype)  # one copy, written in the [N, D] layout
+        if torch.is_grad_enabled() and (self.dw1.requires_grad or self.dd.requires_grad):
+            kept = None  # recorded for the backward pass: built from the parameters
+        weight = kept.get("weight") if kept is not None else None
+        if weight is None or weight.dtype != x.dtype or weight.device != x.device:
+            weight = torch.cat((dw1.t(), dd.t())).to(x.dtype)  # one copy, written in the [N, D] layout
+            if kept is not None:
+                kept["weight"] = weight
         return F.linear(x, weight).split((dw1.shape[1], dd.shape[1]), dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kept: dict | None = None) -> torch.Tensor:
         B, T, D = x.shape
         G, C, I, M = self.num_groups, self.num_slots, self.rank, self.heads_per_group
         K = self.dw1.shape[-1]
         # bmm for the per-slot second layer (einsum's dispatch costs more than the products at a decode step)
-        h, diag = self.input_products(x.reshape(B * T, D))
+        h, diag = self.input_products(x.reshape(B * T, D), kept)
         h = F.gelu(h)  # [BT, GCK]
         w = torch.bmm(h.view(B * T, G * C, K).transpose(0, 1), self.qkw.to(x.dtype).view(G * C, K, 2 * I * M))
         w = w.transpose(0, 1).reshape(B, T, G, C, 2 * I, M).float()  # [B, T, G, C, 2I, M]
@@ -249,7 +256,9 @@ class DCFormerAttention(nn.Module):
 
         query_terms = key_terms = None
         if self.config.use_dcmha:
-            terms = self.dyn_w_proj(hidden_states)  # [B, T, G, C, 2I+1, M]
+            no_cache = cache is None or torch.compiler.is_compiling()
+            kept = None if no_cache else cache.projection_weights.setdefault(self.layer_idx, {})
+            terms = self.dyn_w_proj(hidden_states, kept)  # [B, T, G, C, 2I+1, M]
             if self.config.query_wise:  # slots (pre-query, post-query)
                 query_terms, key_terms = terms, None
             else:  # slots (pre-query, pre-key, post-query, post-key)

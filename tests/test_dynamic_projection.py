@@ -114,3 +114,41 @@ def test_frozen_weights_with_a_trainable_input_after_an_inference_call(proj):
     x.requires_grad_(True)
     proj(x).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_a_generations_kept_copy_is_reused_and_never_trains(proj):
+    """`kept` (the cache's dict for one generation): half precision without gradients makes the fused weight once
+    and reuses it; with gradients recorded it is ignored, so a kept copy can never stand in for the parameters."""
+    proj.to(torch.bfloat16)
+    x = torch.randn(1, 3, proj.dw1.shape[0], generator=torch.Generator().manual_seed(5)).bfloat16()
+    kept = {}
+    with torch.no_grad():
+        first = proj(x, kept)
+        weight = kept["weight"]
+        assert torch.equal(proj(x, kept), first) and kept["weight"] is weight  # reused, not rebuilt
+    torch.testing.assert_close(first.double(), spec_terms(proj, x), atol=0.1, rtol=0.1)
+    kept["weight"] = torch.zeros_like(weight)  # a wrong kept copy: training must not see it
+    out = proj(x, kept)
+    torch.testing.assert_close(out.double(), spec_terms(proj, x), atol=0.1, rtol=0.1)
+    out.sum().backward()
+    assert proj.dw1.grad is not None and proj.dw1.grad.abs().sum() > 0
+
+
+def test_every_forward_after_a_fused_optimizer_step_sees_the_new_weights():
+    """A bf16 model evaluated with its cache on (as the Trainer's evaluation does), a fused AdamW step, then again:
+    the second forward equals a fresh copy of the stepped model (each forward's cache is new: nothing kept across)."""
+    import copy
+
+    model = build_model(make_config(num_hidden_layers=2)).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(6))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    with torch.no_grad():
+        before = model(ids, use_cache=True).logits
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        after = model(ids, use_cache=True).logits
+        fresh = copy.deepcopy(model)(ids, use_cache=True).logits
+    assert torch.equal(after, fresh) and not torch.equal(after, before)
