@@ -72,13 +72,6 @@ DYNAMIC_DIMS = {
 }
 
 
-# Inductor options per stage. The gradient's sums over keys (the queries' factors) and over queries (the keys') are
-# 2 * (2I*M + M) reductions over the same planes; Inductor's C++ backend fuses at most 16 of them into one loop nest
-# by default (`cpp.max_horizontal_fusion_size`), so at M = 8 each side took three passes over the scores, each
-# re-reading every head's scores and gradient. One nest per side halves the backward's time (performance.md, round 3).
-INDUCTOR_OPTIONS = {compose_backward: {"cpp.max_horizontal_fusion_size": 128}}
-
-
 class CompiledBackend(EagerBackend):
     """"compiled": `EagerBackend`'s chunks with compiled stages. A later, more general graph must never shadow an
     earlier one (forward and checkpoint recomputation must agree): lengths are dynamic from the first call, with no
@@ -103,8 +96,7 @@ class CompiledBackend(EagerBackend):
             self.compile_backend = compile_backend
 
     def _compile(self, fn: Callable) -> Callable:
-        options = INDUCTOR_OPTIONS.get(fn) if self.compile_backend == "inductor" else None
-        compiled = torch.compile(fn, backend=self.compile_backend, options=options)
+        compiled = torch.compile(fn, backend=self.compile_backend)
         dynamic = DYNAMIC_DIMS[fn]
 
         def run(*args):

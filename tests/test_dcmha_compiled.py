@@ -5,7 +5,6 @@ in test_dcmha_backends.py):
   one query (a decode step), precomputed hidden values;
 - the compiled stages do not recompile for new lengths or batch sizes;
 - `compose_backward` (the written-out gradient of a Compose step) against autograd through the oracle's Compose;
-- `compose_backward` is compiled with one loop nest per side (Inductor's fusion limit raised);
 - a whole model through Inductor itself (the generated C++ kernels), forward and backward (marked slow).
 """
 
@@ -138,25 +137,3 @@ def test_inductor_model_forward_backward_matches_oracle():
     state = as_double(model.state_dict())
     ids = input_ids[1, real[1]][None]
     assert_close(logits[1, real[1]], oracle_causal_lm(state, config, ids)[0])
-
-
-def test_compose_backward_is_compiled_with_one_loop_nest_per_side(monkeypatch):
-    """Inductor's C++ backend fuses at most 16 nodes horizontally by default, which split the gradient's sums over
-    keys (2*I*M + M of them: 40 at M = 8) into three passes over the scores (docs/performance.md, round 3). The
-    gradient is compiled with a limit above that; the tests' "aot_eager" backend, which takes no options, gets none."""
-    from modeling_dcformer import dcmha_compiled
-
-    calls = {}
-    monkeypatch.setattr(
-        dcmha_compiled.torch, "compile", lambda fn, **kwargs: calls.setdefault(fn.__name__, kwargs) and fn
-    )
-    backend = dcmha_compiled.CompiledBackend()
-    backend._compile(compose_backward)
-    backend._compile(dcmha_compiled.stage_apply)
-    I, M = 2, 8
-    assert calls["compose_backward"]["options"]["cpp.max_horizontal_fusion_size"] >= 2 * I * M + M
-    assert calls["stage_apply"]["options"] is None
-    backend.reset("aot_eager")
-    calls.clear()
-    backend._compile(compose_backward)
-    assert calls["compose_backward"] == {"backend": "aot_eager", "options": None}
