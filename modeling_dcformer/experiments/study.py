@@ -117,7 +117,7 @@ def default_spec() -> dict:
         "sizes": [[512, 8, 3], [256, 8, 3], [128, 4, 3]],
         "models": list(MODEL_KINDS),
         "sweep": {"transformer": [1e-3, 3e-3], "dcformer": [1e-3, 3e-3], "dcformer-qk": [1e-3, 3e-3]},
-        "order": ["256:sweep", "256:long", "512:sweep", "512:long", "256:lower", "512:lower", "256:seeds",
+        "order": ["256:sweep", "256:long", "512:sweep", "256:seeds", "512:long", "256:lower", "512:lower",
                   "512:seeds", "128:sweep", "128:long", "128:lower", "128:seeds"],
         "seeds": [0, 1, 2],
         "grid": list(GRID),
