@@ -28,7 +28,6 @@ from released_checkpoint import released_dir
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 PROGRESS = re.compile(r"^(Converting|Converting shards|Loading weights|Writing model shards)\b.*\[")
 TOOLS = {"pythia": (p2d, "pythia_to_dcpythia.py", "dcformer-convert-pythia"),
          "caiyun": (caiyun_to_hf, "caiyun_to_hf.py", "dcformer-convert-released")}  # fmt: skip
@@ -86,16 +85,24 @@ def assert_one_line(err: str, *needles: str) -> None:
 # Issue 27, item 7: `python conversion/X.py` runs, from any directory, like its console script
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tool", list(TOOLS))
-def test_converter_runs_as_a_file_and_as_its_console_script(tool, tmp_path):
+def test_converter_runs_as_a_file_and_as_its_console_script(tool, tmp_path, capsys):
     """From another directory, with the installed package only (no sys.path edit anywhere): on main the file form
-    failed with "attempted relative import with no known parent package"."""
-    _, script, command = TOOLS[tool]
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    failed with "attempted relative import with no known parent package". The console scripts' `--help` is checked
+    on the installed wheel (`make check-wheel`: test_wheel.py::test_console_script_help); here the file form's help
+    has the console script's options."""
+    module, script, command = TOOLS[tool]
+    env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the installed package only: no path of the checkout
-    for args in ([sys.executable, str(ROOT / "conversion" / script), "--help"], [command, "--help"]):
-        result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert result.stdout.startswith("usage:") and "--overwrite" in result.stdout, result.stdout[:500]
+    args = [sys.executable, str(ROOT / "conversion" / script), "--help"]
+    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"usage: {script}") and "--overwrite" in result.stdout, result.stdout[:500]
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    helped = capsys.readouterr().out
+    options = [set(re.findall(r"--[\w-]+", text)) for text in (result.stdout, helped)]
+    assert helped.startswith("usage:") and options[0] == options[1] and "--overwrite" in options[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -76,6 +76,10 @@ OPTIONS = {
     "querywise-groups2": dict(query_wise=True, num_head_groups=2, dynamic_rank=1, attention_chunk_size=512),
     "rank3-groups2-chunk5": dict(query_wise=False, num_head_groups=2, dynamic_rank=3, attention_chunk_size=5),
 }
+# The gradient, probability, decoding and half-precision checks share one configuration (local and global layers,
+# two head groups, rank 2, chunks of 5): "compiled" traces its stages once per static configuration (groups, rank,
+# window, scale), and the tests after the first reuse its graphs.
+SHARED = dict(use_qk_norm=True, window_size=4, num_head_groups=2, attention_chunk_size=5)
 
 
 @pytest.mark.parametrize(
@@ -102,9 +106,7 @@ def test_gradients_match_eager(backend):
     """A training step (local and global layers, padding on both sides, chunks recomputed in the backward pass):
     logits and every parameter's gradient against "eager"; a backend without gradients says so."""
     backend = usable(backend)
-    config = make_config(
-        use_qk_norm=True, window_size=4, num_head_groups=2, attention_chunk_size=5, dcmha_implementation="eager"
-    )
+    config = make_config(dcmha_implementation="eager", **SHARED)
     model = build_model(config).train()
     input_ids, mask = padded_batch()
     eager_logits, eager_grads = loss_and_grads(model, input_ids, mask)
@@ -121,10 +123,23 @@ def test_gradients_match_eager(backend):
     assert max(g.abs().max().item() for n, g in grads.items() if "dyn_w_proj" in n) > 1e-4  # the test can fail
 
 
+def test_compiled_evaluation_after_training_traces_nothing_new():
+    """Evaluation after a training step (Trainer's evaluate, generate after fine-tuning) reuses the compiled stages'
+    graphs: the stages see detached inputs, so torch.compile's requires_grad guards do not trace every stage twice."""
+    usable("compiled")
+    model = build_model(make_config(dcmha_implementation="compiled", **SHARED)).train()
+    input_ids, mask = padded_batch()
+    loss_and_grads(model, input_ids, mask)  # traces the stages, unless a test before this one did
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        model.eval()(input_ids, attention_mask=mask, use_cache=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 def test_probabilities_match_eager(backend):
     """output_attentions: the composed probabilities of every layer equal eager's (a backend that cannot return
     them, "triton", leaves such calls to "eager": tests/test_attentions.py)."""
-    config = make_config(window_size=4, attention_chunk_size=4, dcmha_implementation="eager")
+    config = make_config(dcmha_implementation="eager", **SHARED)
     model = build_model(config).eval()
     input_ids, mask = padded_batch()
     with torch.no_grad():
@@ -139,7 +154,7 @@ def test_probabilities_match_eager(backend):
 @pytest.mark.parametrize("backend", ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)])
 def test_decoding_matches_full_forward(backend):
     backend = usable(backend)
-    config = make_config(use_qk_norm=True, window_size=4, attention_chunk_size=3, dcmha_implementation=backend)
+    config = make_config(dcmha_implementation=backend, **SHARED)
     assert_decoding_matches_full_forward(build_model(config))
 
 
@@ -148,9 +163,7 @@ def test_half_precision_matches_eager(backend, dtype):
     """bf16 / fp16: the products in that dtype, the scores in fp32, within its rounding of the eager model (4 layers;
     2 for "triton", whose blocks round in another order)."""
     layers = 2 if backend == "triton" else 4
-    config = make_config(
-        use_qk_norm=True, window_size=4, attention_chunk_size=5, num_hidden_layers=layers, dcmha_implementation="eager"
-    )
+    config = make_config(num_hidden_layers=layers, dcmha_implementation="eager", **SHARED)
     model = build_model(config).to(dtype)
     input_ids, mask = padded_batch()
     with torch.no_grad():
