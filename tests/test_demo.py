@@ -106,15 +106,16 @@ def test_demo_end_to_end(tmp_path, capsys, monkeypatch):
 
 def test_demo_with_a_given_pythia_directory(tmp_path, capsys):
     """`--pythia DIR` (the real-size path, here on a local GPT-NeoX): no model is built, the converter reads
-    DIR, the fine-tuning uses the non-tiny defaults (learning rate 5e-5, train_clm's block size). With
-    `--train-args=--bf16` (mixed precision: accelerate wraps the model's forward in autocast) the model checked
-    against its reloaded copy is the unwrapped fp32 one, so the reload checks still pass exactly."""
+    DIR, the fine-tuning uses the non-tiny learning rate (5e-5). With `--train-args=--bf16` (mixed precision:
+    accelerate wraps the model's forward in autocast) the model checked against its reloaded copy is the unwrapped
+    fp32 one, so the reload checks still pass exactly. Blocks of 64 tokens: at train_clm's default (up to 1024,
+    test_real_size_flags_reach_train_clm) "auto" trains through "compiled", and tracing it took a minute here."""
     src = tmp_path / "neox"
     pipeline.build_tiny_pythia(src, read_lines([demo.TRAIN_TXT]), seed=1)
     out = tmp_path / "demo"
     summary = demo.run(["--pythia", str(src), "--output-dir", str(out), "--train-steps", "2", "--limit", "2",
                         "--tasks", "piqa_local", "--no-bench", "--threads", "1", "--max-new-tokens", "4",
-                        "--train-args=--bf16"])
+                        "--block-size", "64", "--train-args=--bf16"])
     capsys.readouterr()
     assert summary["ok"] and summary["source"]["source"] == str(src)
     assert not (out / "pythia-tiny").exists()
@@ -141,6 +142,8 @@ def test_real_size_flags_reach_train_clm():
     assert pairs["--max_steps"] == "1000" and pairs["--block_size"] == "1024"
     assert pairs["--per_device_train_batch_size"] == "4" and float(pairs["--learning_rate"]) == 5e-5
     assert argv[-2:] == ["--bf16", "--activation_checkpointing"]
+    real = demo.finetune_argv(demo.parse_args(["--pythia", "EleutherAI/pythia-160m"]), Path("/m"), Path("/o"), False)
+    assert "--block_size" not in real  # train_clm's default block size (up to 1024)
 
     tiny = demo.parse_args(["--device", "cpu"])
     argv = demo.finetune_argv(tiny, Path("/m"), Path("/o"), tiny=True)
