@@ -111,10 +111,7 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         if not self.is_initialized:
             return
         length = self.cumulative_length
-        if tokens_to_remove > 0:
-            remove = max(0, length - tokens_to_remove)
-        else:
-            remove = min(-tokens_to_remove, length)
+        remove = max(0, length - tokens_to_remove) if tokens_to_remove > 0 else min(-tokens_to_remove, length)
         stored = self.keys.shape[-2]
         if self.window_size is None:
             self._keep(0, stored - remove)
@@ -211,15 +208,11 @@ class DCFormerCache(Cache):
         # `input_products`): made at the first step, reused by the later steps of the same generation
         self.projection_weights: dict[int, dict] = {}
 
-    def update_dcmha(self, key, value, key_terms, layer_idx: int, window_size: int | None):
+    def update_dcmha(self, key, value, key_terms, layer_idx: int):
         """Append this step's keys, values and key terms; returns (keys, values, key_terms, key_start) to attend to."""
         layer = self.layers[layer_idx]
         keys, values, terms = layer.update_dcmha(key, value, key_terms)
-        total = layer.cumulative_length
-        return keys, values, terms, total - keys.shape[-2]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].get_seq_length() if self.layers else 0
+        return keys, values, terms, layer.cumulative_length - keys.shape[-2]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Crop every layer, the local ones first: if one refuses, the first does, and nothing has changed."""

@@ -45,10 +45,6 @@ OUR_TENSORS = re.compile(r"^(layers\.|embed_tokens\.|norm\.)")
 NOT_FLOAT_SAFETENSORS = {"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"}
 
 
-def _body_key(key: str) -> str:
-    return key[len("model.") :] if key.startswith("model.") else key
-
-
 def _first_field(table: list, key: str) -> str:
     """The field of the first pattern in `table` that `key` matches; "" if none does."""
     return next((field for pattern, field in table if pattern.search(key)), "")
@@ -104,10 +100,10 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
     """A message naming, per config field, the checkpoint's tensors that the config leaves unused (`unexpected`),
     lacks (`missing`) or shapes differently (`mismatched`: (key, checkpoint shape, model shape)); None if nothing
     concerns the DCFormer body (an `lm_head` left over when loading the base model is not a mismatch)."""
-    unexpected = [_body_key(key) for key in unexpected]
+    unexpected = [key.removeprefix("model.") for key in unexpected]
     foreign = [key for key in unexpected if not OUR_TENSORS.match(key) and not key.startswith("lm_head.")]
     unexpected = [key for key in unexpected if OUR_TENSORS.match(key)]
-    missing = [_body_key(key) for key in missing]
+    missing = [key.removeprefix("model.") for key in missing]
     problems = []
     if missing and foreign:  # tensors the model does not know, in place of some it needs: name them first
         problems.append(f"the checkpoint has tensors that are not DCFormer's ({_listing(foreign)})")
@@ -120,12 +116,9 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
         for key in keys:
             by_field[_presence_field(key, config)].append(key)
         problems += [_presence_problem(config, field, keys, unused) for field, keys in by_field.items()]
-    slot_keys, other = [], []
-    for key, checkpoint_shape, model_shape in mismatched:
-        key = _body_key(key)
-        (slot_keys if _slot_count_differs(key, checkpoint_shape, model_shape, config) else other).append(
-            (key, tuple(checkpoint_shape), tuple(model_shape))
-        )
+    mismatched = [(key.removeprefix("model."), tuple(ours), tuple(theirs)) for key, ours, theirs in mismatched]
+    slot_keys = [entry for entry in mismatched if _slot_count_differs(*entry, config)]
+    other = [entry for entry in mismatched if entry not in slot_keys]
     if slot_keys:
         slots = "all four composition slots" if config.query_wise else "only the two query-wise slots"
         problems.append(
@@ -146,9 +139,7 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
 def _safetensors_header(path: Path) -> dict:
     with open(path, "rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    header.pop("__metadata__", None)
-    return header
+        return {k: v for k, v in json.loads(handle.read(length)).items() if k != "__metadata__"}
 
 
 # DCFormer's own tensor names: ours ("model." optional, lm_head) and the released layout's.

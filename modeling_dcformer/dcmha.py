@@ -76,9 +76,8 @@ def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):
 TRACED_AS_EAGER = ("auto", "compiled", "kernel")
 
 
-def dcmha_attention(
-    inputs: DCMHAInputs, implementation: str = "auto", *, output_attentions: bool = False, recompute: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def dcmha_attention(inputs: DCMHAInputs, implementation: str = "auto", *, output_attentions: bool = False,
+                    recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """DCMHA with the implementation named `implementation` ("auto": `choose_auto`): the output [B, T, N, Dh] and,
     with `output_attentions`, the composed probabilities [B, N, T, S] (fp32). Plain attention always runs "eager"
     (SDPA); so do traced calls (`TRACED_AS_EAGER`), and output_attentions calls of a backend that cannot return the
@@ -90,10 +89,8 @@ def dcmha_attention(
         backend = choose_auto(inputs, output_attentions)
     else:
         if implementation not in DCMHA_BACKENDS:
-            raise ValueError(
-                f"dcmha_implementation={implementation!r} is not registered; choose one of "
-                f"{list(implementation_names())}"
-            )
+            known = list(implementation_names())
+            raise ValueError(f"dcmha_implementation={implementation!r} is not registered; choose one of {known}")
         backend = DCMHA_BACKENDS[implementation]
         why_not = getattr(backend, "why_not", lambda inputs, output_attentions: None)
         problem = why_not(inputs, output_attentions)
@@ -121,11 +118,7 @@ def dcmha_attention(
 
 
 DCMHAInterface._global_mapping.update(
-    {
-        "eager": EAGER,
-        "compiled": COMPILED,
-        "kernel": LazyBackend("kernel", "cpu_kernel", "KERNEL"),
-        "triton": LazyBackend("triton", "triton_kernel", "TRITON"),
-    }
+    eager=EAGER, compiled=COMPILED, kernel=LazyBackend("kernel", "cpu_kernel", "KERNEL"),
+    triton=LazyBackend("triton", "triton_kernel", "TRITON"),
 )
 DCMHA_BACKENDS = DCMHAInterface()

@@ -104,13 +104,6 @@ class DCMHAInputs:
         keys = S if self.window_size is None else min(S, self.queries_per_chunk + self.window_size - 1)
         return B * N * T * keys
 
-    def tensors(self) -> tuple:
-        return (self.query, self.key, self.value, self.query_terms, self.key_terms)
-
-    def needs_grad(self) -> bool:
-        """Whether autograd records this call (some input requires a gradient and grad mode is on)."""
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in self.tensors())
-
     @property
     def symbolic_lengths(self) -> bool:
         """Whether the lengths or start indices are symbolic (torch.export's dynamic dims, torch.compile's dynamic
@@ -179,9 +172,8 @@ def time_last(terms: torch.Tensor | None) -> torch.Tensor | None:
     return None if terms is None else terms.permute(0, 2, 3, 4, 5, 1).contiguous()
 
 
-def visible_keys(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, window_size: int | None, key_padding_mask: torch.Tensor | None
-) -> torch.Tensor:
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window_size: int | None,
+                 key_padding_mask: torch.Tensor | None) -> torch.Tensor:
     """[1 or B, 1, c, s] bool: the query at absolute position q_pos[t] sees the key at k_pos[s] (causal, within the
     window, and the key is a real token where key_padding_mask [B, s] is given)."""
     allowed = k_pos[None, :] <= q_pos[:, None]

@@ -48,9 +48,6 @@ def cache_argument(cache: Cache | None, past_key_values: Cache | None) -> Cache 
 DW_RMS_EPS = 1e-6  # eps of the RMS normalisation of the dynamic w1 factors (spec, step 5)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Norms, rotary embedding, MLP
-# ----------------------------------------------------------------------------------------------------------------
 class DCFormerRMSNorm(nn.Module):
     """RMSNorm with a learned scale, computed in fp32."""
 
@@ -90,9 +87,8 @@ class DCFormerRotaryEmbedding(nn.Module):
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        default = self.rope_type == "default"
+        rope_init_fn = self.compute_default_rope_parameters if default else ROPE_INIT_FUNCTIONS[self.rope_type]
         inv_freq, self.attention_scaling = rope_init_fn(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
@@ -101,8 +97,8 @@ class DCFormerRotaryEmbedding(nn.Module):
     def compute_default_rope_parameters(config: DCFormerConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
         base = config.rope_parameters["rope_theta"]
         dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
-        return inv_freq, 1.0
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+        return 1.0 / (base**exponents), 1.0
 
     @torch.no_grad()
     @dynamic_rope_update
@@ -146,9 +142,6 @@ class DCFormerMLP(nn.Module):
         return self.down_proj(self.act_fn(self.up_proj(x)))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# DCMHA
-# ----------------------------------------------------------------------------------------------------------------
 class DynamicWeightProjection(nn.Module):
     """Generates the composition weights of every position from the attention input x (spec, step 5).
 
@@ -174,11 +167,8 @@ class DynamicWeightProjection(nn.Module):
             return {"dw1": std, "qkw": std, "dd": std}
         D, M = config.hidden_size, config.heads_per_group
         K, I = config.dynamic_hidden_size, config.dynamic_rank
-        return {
-            "dw1": math.sqrt(2 / (D + K)),
-            "qkw": math.sqrt(1 / K) * 2 / (M + I) * 0.01,
-            "dd": math.sqrt(2 / (D + M)) * 0.005,
-        }
+        return {"dw1": math.sqrt(2 / (D + K)), "qkw": math.sqrt(1 / K) * 2 / (M + I) * 0.01,
+                "dd": math.sqrt(2 / (D + M)) * 0.005}
 
     def input_products(self, x: torch.Tensor, kept: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [BT, D] times dw1 and dd: ([BT, G*C*K], [BT, G*C*M]). Half precision: one GEMM with dw1 and dd as one
@@ -233,15 +223,9 @@ class DCFormerAttention(nn.Module):
         if config.use_dcmha:
             self.dyn_w_proj = DynamicWeightProjection(config)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        query_start: int = 0,
-        padding_mask: torch.Tensor | None = None,
-        cache: "DCFormerCache | None" = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                query_start: int = 0, padding_mask: torch.Tensor | None = None, cache: DCFormerCache | None = None,
+                output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, D = hidden_states.shape
         N, Dh = self.num_heads, self.head_dim
         qkv = self.qkv_proj(hidden_states).view(B, T, 3, N, Dh)
@@ -266,30 +250,17 @@ class DCFormerAttention(nn.Module):
 
         key_start = query_start
         if cache is not None:
-            key, value, key_terms, key_start = cache.update_dcmha(
-                key, value, key_terms, self.layer_idx, self.window_size
-            )
+            key, value, key_terms, key_start = cache.update_dcmha(key, value, key_terms, self.layer_idx)
         key_padding_mask = None if padding_mask is None else padding_mask[:, key_start : key_start + key.shape[2]]
         inputs = DCMHAInputs(
-            query=query,
-            key=key,
-            value=value,
-            query_terms=query_terms,
-            key_terms=key_terms,
-            query_start=query_start,
-            key_start=key_start,
-            key_padding_mask=key_padding_mask,
-            window_size=self.window_size,
-            rank=self.config.dynamic_rank,
-            num_groups=self.config.num_head_groups,
+            query=query, key=key, value=value, query_terms=query_terms, key_terms=key_terms, query_start=query_start,
+            key_start=key_start, key_padding_mask=key_padding_mask, window_size=self.window_size,
+            rank=self.config.dynamic_rank, num_groups=self.config.num_head_groups,
             chunk_size=self.config.attention_chunk_size,
         )
-        out, probs = dcmha_attention(
-            inputs,
-            self.config.dcmha_implementation,
-            output_attentions=output_attentions,
-            recompute=self.config.attention_recompute and self.training and torch.is_grad_enabled(),
-        )
+        recompute = self.config.attention_recompute and self.training and torch.is_grad_enabled()
+        out, probs = dcmha_attention(inputs, self.config.dcmha_implementation, output_attentions=output_attentions,
+                                     recompute=recompute)
         return self.o_proj(out.reshape(B, T, D)), probs
 
 
@@ -302,22 +273,12 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
         self.self_attn = DCFormerAttention(config, layer_idx)
         self.mlp = DCFormerMLP(config)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        query_start: int = 0,
-        padding_mask: torch.Tensor | None = None,
-        cache: "DCFormerCache | None" = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                query_start: int = 0, padding_mask: torch.Tensor | None = None, cache: DCFormerCache | None = None,
+                output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn_output, probs = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            query_start=query_start,
-            padding_mask=padding_mask,
-            cache=cache,
-            output_attentions=output_attentions,
+            self.input_layernorm(hidden_states), position_embeddings=position_embeddings, query_start=query_start,
+            padding_mask=padding_mask, cache=cache, output_attentions=output_attentions,
         )
         if self.use_parallel_residual:
             hidden_states = hidden_states + attn_output + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -327,9 +288,6 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, probs
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Models
-# ----------------------------------------------------------------------------------------------------------------
 def installed(module: str):
     """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, `loading`'s reader lock, the
     released layout), or None where only the remote code is here or the installed version has no such file (a
@@ -463,8 +421,7 @@ class DCFormerPreTrainedModel(PreTrainedModel):
 def positions_from_padding(attention_mask: torch.Tensor, past_length: int, length: int) -> torch.Tensor:
     """Position ids of the last `length` tokens from a 2D padding mask covering past and present tokens:
     real tokens are numbered 0, 1, ... in each row whatever the padding before them."""
-    positions = attention_mask.long().cumsum(-1) - 1
-    positions = positions.clamp(min=0)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     return positions[:, past_length : past_length + length]
 
 
@@ -474,8 +431,7 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     torch.compile and torch.export, whose graphs cannot branch on values."""
     if input_ids.numel() == 0:
         return
-    low, high = torch.aminmax(input_ids)
-    low, high = int(low), int(high)
+    low, high = map(int, torch.aminmax(input_ids))
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(
@@ -489,9 +445,7 @@ class DCFormerModel(DCFormerPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [DCFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([DCFormerDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = make_norm(config)
         self.rotary_emb = DCFormerRotaryEmbedding(config)
         self.gradient_checkpointing = False
@@ -637,14 +591,14 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         """transformers' own, then a clear error for an empty prompt (`generate()` would fail later with an
         IndexError): there is no position to predict the next token from."""
         inputs, input_name, model_kwargs = super()._prepare_model_inputs(*args, **kwargs)
-        if input_name in ("input_ids", "inputs_embeds") and inputs is not None and inputs.dim() >= 2:
-            if inputs.shape[1] == 0:
-                bos = self.generation_config.bos_token_id
-                hint = f" (e.g. the BOS token, id {bos})" if bos is not None else ""
-                raise ValueError(
-                    f"generate() got an empty prompt: {input_name} of shape {tuple(inputs.shape)}; give at least "
-                    f"one token per row{hint}, or no {input_name} at all to start from the BOS token"
-                )
+        empty = inputs is not None and inputs.dim() >= 2 and inputs.shape[1] == 0
+        if input_name in ("input_ids", "inputs_embeds") and empty:
+            bos = self.generation_config.bos_token_id
+            hint = f" (e.g. the BOS token, id {bos})" if bos is not None else ""
+            raise ValueError(
+                f"generate() got an empty prompt: {input_name} of shape {tuple(inputs.shape)}; give at least "
+                f"one token per row{hint}, or no {input_name} at all to start from the BOS token"
+            )
         return inputs, input_name, model_kwargs
 
     def get_output_embeddings(self):
