@@ -123,11 +123,10 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
             kept = "the last window_size - 1 keys"
             if self.record_past:
                 kept = "the window_size - 1 keys before the last crop and every key added since"
-            raise ValueError(
-                f"cannot crop {remove} of the {length} tokens of a local DCFormer cache layer "
-                f"(window_size={self.window_size}): it can roll back at most {limit}, as it keeps only {kept}. "
-                "Call cache.activate_past_recording() before the steps to roll back (assisted decoding does)"
-            )
+            raise ValueError(f"cannot crop {remove} of the {length} tokens of a local DCFormer cache layer "
+                             f"(window_size={self.window_size}): it can roll back at most {limit}, as it keeps only "
+                             f"{kept}. Call cache.activate_past_recording() before the steps to roll back (assisted "
+                             "decoding does)")
         self._keep(stored - remove - min(self.window_size - 1, length - remove), stored - remove)
         self.cumulative_length = length - remove
 
@@ -161,10 +160,8 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
             self.lazy_initialization(key, value, key_terms)
         start, end = self.cumulative_length, self.cumulative_length + key.shape[-2]
         if end > self.max_cache_len:
-            raise ValueError(
-                f"the static DCFormer cache holds max_cache_len={self.max_cache_len} tokens; this step would need "
-                f"{end}: make it longer (generate's max_cache_len, or max_new_tokens)"
-            )
+            raise ValueError(f"the static DCFormer cache holds max_cache_len={self.max_cache_len} tokens; this step "
+                             f"would need {end}: make it longer (generate's max_cache_len, or max_new_tokens)")
         self.keys[:, :, start:end] = key
         self.values[:, :, start:end] = value
         if key_terms is not None:
@@ -233,10 +230,9 @@ CACHE_HINT = (
 def check_cache_implementation(implementation) -> None:
     """Refuses a `cache_implementation` DCFormer does not support, with one line naming the value and what to use."""
     if implementation is not None and implementation not in SUPPORTED_CACHE_IMPLEMENTATIONS:
-        raise ValueError(
-            f"cache_implementation={implementation!r} is not supported by DCFormer: its cache also holds each key's "
-            f"composition factors, which transformers' {implementation!r} cache cannot; {CACHE_HINT}"
-        )
+        raise ValueError(f"cache_implementation={implementation!r} is not supported by DCFormer: its cache also "
+                         f"holds each key's composition factors, which transformers' {implementation!r} cache cannot; "
+                         f"{CACHE_HINT}")
 
 
 def check_cache(cache) -> "DCFormerCache | None":
@@ -250,16 +246,12 @@ def check_cache(cache) -> "DCFormerCache | None":
         raise TypeError(f"DCFormer's cache must be a DCFormerCache, got a {name}; {CACHE_HINT}")
     if type(cache) is DynamicCache and not getattr(cache, "offloading", False):
         if cache.get_seq_length() > 0:
-            raise TypeError(
-                f"DCFormer cannot continue from a filled DynamicCache ({cache.get_seq_length()} tokens): it lacks the "
-                f"keys' composition factors; {CACHE_HINT}"
-            )
+            raise TypeError(f"DCFormer cannot continue from a filled DynamicCache ({cache.get_seq_length()} tokens): "
+                            f"it lacks the keys' composition factors; {CACHE_HINT}")
         return None
     what = "an offloading DynamicCache" if type(cache) is DynamicCache else f"transformers' {name}"
-    raise TypeError(
-        f"DCFormer cannot use {what}: its cache also holds each key's composition factors, which that cache's "
-        f"layers cannot store; {CACHE_HINT}"
-    )
+    raise TypeError(f"DCFormer cannot use {what}: its cache also holds each key's composition factors, which that "
+                    f"cache's layers cannot store; {CACHE_HINT}")
 
 
 __all__ = ["DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer", "check_cache",

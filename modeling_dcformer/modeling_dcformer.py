@@ -57,18 +57,15 @@ class DCFormerRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x).to(dtype)
+        y = x.float()
+        return (self.weight.float() * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
 class DCFormerLayerNorm(nn.LayerNorm):
     """LayerNorm computed in fp32 whatever the parameter dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.float()
-        bias = None if self.bias is None else self.bias.float()
+        weight, bias = self.weight.float(), self.bias.float()  # always there: built with elementwise_affine and bias
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
@@ -317,9 +314,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     def _can_set_attn_implementation(cls) -> bool:
         return True  # the DCMHA implementation is read from the config at every call
 
-    def _check_and_adjust_attn_implementation(
-        self, attn_implementation: str | dict | None, is_init_check: bool = False, allow_all_kernels: bool = False
-    ) -> str:
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | dict | None, is_init_check: bool = False,
+                                              allow_all_kernels: bool = False) -> str:
         """transformers' check at init: a DCMHA implementation (None keeps the config's); transformers' own
         functions are refused here, when a model is built (a config only records the request)."""
         if attn_implementation is not None:
@@ -353,9 +349,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         if (loading := installed("loading")) is not None:  # the reader lock and the package's diagnoses
             load = partial(loading.from_pretrained, load)
         model, info = load(source, *args, **kwargs)
-        problem = None if want_info else describe_mismatch(
-            model.config, source, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
-        )
+        problem = None if want_info else describe_mismatch(model.config, source, unexpected=info["unexpected_keys"],
+                                                           missing=info["missing_keys"])
         if problem:
             raise ValueError(problem)
         return (model, info) if want_info else model
@@ -434,10 +429,9 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     low, high = map(int, torch.aminmax(input_ids))
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise ValueError(
-            f"input_ids contains the token id {bad}, outside the model's vocabulary of {vocab_size} tokens "
-            f"(valid ids: 0..{vocab_size - 1}); was the text encoded with another model's tokenizer?"
-        )
+        raise ValueError(f"input_ids contains the token id {bad}, outside the model's vocabulary of {vocab_size} "
+                         f"tokens (valid ids: 0..{vocab_size - 1}); was the text encoded with another model's "
+                         "tokenizer?")
 
 
 class DCFormerModel(DCFormerPreTrainedModel):
@@ -467,9 +461,8 @@ class DCFormerModel(DCFormerPreTrainedModel):
         """`cache` is transformers' name for the cache from 5.24 on; `past_key_values`, the earlier one, is accepted."""
         cache = cache_argument(cache, past_key_values)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if (input_ids is None) == (inputs_embeds is None):
@@ -492,15 +485,12 @@ class DCFormerModel(DCFormerPreTrainedModel):
         padding_mask = None
         if attention_mask is not None:
             if attention_mask.dim() != 2:
-                raise ValueError(
-                    f"attention_mask must be a 2D [batch, past + new tokens] padding mask, got shape "
-                    f"{tuple(attention_mask.shape)}"
-                )
+                raise ValueError(f"attention_mask must be a 2D [batch, past + new tokens] padding mask, got shape "
+                                 f"{tuple(attention_mask.shape)}")
             if attention_mask.shape != (B, past_length + T):
-                raise ValueError(
-                    f"attention_mask has shape {tuple(attention_mask.shape)} but the batch has {B} rows of "
-                    f"{past_length} cached + {T} new tokens"
-                )
+                shape = tuple(attention_mask.shape)
+                raise ValueError(f"attention_mask has shape {shape} but the batch has {B} rows of {past_length} "
+                                 f"cached + {T} new tokens")
             padding_mask = attention_mask.to(device=device, dtype=torch.bool)
             # a mask that pads nothing is dropped (no masked_fill per chunk), but only when running eagerly: under
             # torch.compile and torch.export a branch on its values cannot be traced, and the mask is applied
@@ -550,9 +540,8 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # a DynamicCache cannot hold the keys' composition terms
 
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs, generation_mode, batch_size: int, max_cache_length: int, *args, **kwargs
-    ):
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size: int,
+                                      max_cache_length: int, *args, **kwargs):
         """`generate()` starts from a `DCFormerCache` (keys, values and the keys' composition factors): growing, or
         with `cache_implementation="static"` in buffers of `max_cache_len` (else the generation's max length)
         tokens."""
@@ -595,10 +584,8 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         if input_name in ("input_ids", "inputs_embeds") and empty:
             bos = self.generation_config.bos_token_id
             hint = f" (e.g. the BOS token, id {bos})" if bos is not None else ""
-            raise ValueError(
-                f"generate() got an empty prompt: {input_name} of shape {tuple(inputs.shape)}; give at least "
-                f"one token per row{hint}, or no {input_name} at all to start from the BOS token"
-            )
+            raise ValueError(f"generate() got an empty prompt: {input_name} of shape {tuple(inputs.shape)}; give at "
+                             f"least one token per row{hint}, or no {input_name} at all to start from the BOS token")
         return inputs, input_name, model_kwargs
 
     def get_output_embeddings(self):
