@@ -385,7 +385,6 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.save_pretrained` in our layout. With the package installed (`modeling_dcformer.hub`,
         docs/hub.md): written beside and swapped in whole, with the remote code (`remote_code`) and a model card
         (`model_card`: True, False or a dict of card options); as remote code without it: transformers' own."""
-        kwargs.setdefault("save_original_format", False)  # else transformers reverts the released keys' renaming
         hub = installed("hub")
         if hub is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
@@ -397,14 +396,6 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         `remote_code`, `overwrite_model_card`, DCFormer's card, and one `HubUploadError` on failure (docs/hub.md)."""
         hub = installed("hub")
         return super().push_to_hub(repo_id, **kwargs) if hub is None else hub.push_to_hub(self, repo_id, **kwargs)
-
-    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
-        """The upload step of transformers' `push_to_hub`, which has just written the Hub's card (or a blank one)
-        over the saved one: `hub.upload_pushed` puts DCFormer's card back unless the Hub's is the user's."""
-        hub = installed("hub")
-        if hub is None:
-            return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
-        return hub.upload_pushed(self, working_dir, repo_id, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)
