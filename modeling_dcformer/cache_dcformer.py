@@ -220,11 +220,9 @@ class DCFormerCache(Cache):
 # generate()'s cache_implementation values DCFormer honours (besides None); transformers' others build caches of keys
 # and values alone, which cannot hold the key composition factors ("hybrid" it would replace silently).
 SUPPORTED_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
-CACHE_HINT = (
-    "use DCFormerCache(model.config) (growing) or DCFormerCache(model.config, max_cache_len=N) (static buffers; "
-    "from modeling_dcformer import DCFormerCache), or let generate() build it: cache_implementation=\"static\" "
-    "or \"dynamic\" (the default)"
-)
+CACHE_HINT = ("use DCFormerCache(model.config) (growing) or DCFormerCache(model.config, max_cache_len=N) (static "
+              "buffers; from modeling_dcformer import DCFormerCache), or let generate() build it: "
+              "cache_implementation=\"static\" or \"dynamic\" (the default)")
 
 
 def check_cache_implementation(implementation) -> None:

@@ -59,13 +59,12 @@ def check_attn_implementation(value: str, dcmha_implementation: str | None = Non
             raise ValueError(f"attn_implementation={value!r} and dcmha_implementation={dcmha_implementation!r} "
                              "disagree: for DCFormer they are two names of one choice; give one of them")
         return value
-    raise ValueError(
-        f"attn_implementation={value!r} cannot compute DCFormer's attention: DCMHA composes the heads before and after "
-        "the softmax, and transformers' attention functions (sdpa, flash_attention_*, flex_attention, paged|*, Hub "
-        "kernels) compute plain attention. For DCFormer, attn_implementation is the same choice as the config field "
-        f"dcmha_implementation, one of {known}: 'auto' (the default) picks the fastest that applies, 'eager' is the "
-        "reference in PyTorch ops; see docs/implementations.md"
-    )
+    raise ValueError(f"attn_implementation={value!r} cannot compute DCFormer's attention: DCMHA composes the heads "
+                     "before and after the softmax, and transformers' attention functions (sdpa, flash_attention_*, "
+                     "flex_attention, paged|*, Hub kernels) compute plain attention. For DCFormer, attn_implementation "
+                     f"is the same choice as the config field dcmha_implementation, one of {known}: 'auto' (the "
+                     "default) picks the fastest that applies, 'eager' is the reference in PyTorch ops; see "
+                     "docs/implementations.md")
 
 
 def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[bool]:
@@ -163,8 +162,7 @@ class DCFormerConfig(PreTrainedConfig):
         if kwargs.get("attn_implementation") is not None:  # given to the config itself: checked at once
             given = self.dcmha_implementation if self.dcmha_implementation != "auto" else None  # both given: agree
             check_attn_implementation(kwargs["attn_implementation"], given)
-        # Pythia's name for the rotary fraction is accepted on the way in.
-        if "rotary_pct" in kwargs:
+        if "rotary_pct" in kwargs:  # Pythia's name for the rotary fraction, accepted on the way in
             kwargs.setdefault("partial_rotary_factor", kwargs.pop("rotary_pct"))
         if self.rope_parameters is None and "partial_rotary_factor" not in kwargs:
             kwargs["partial_rotary_factor"] = 0.25

@@ -97,17 +97,13 @@ def dcmha_attention(inputs: DCMHAInputs, implementation: str = "auto", *, output
         if problem is not None and output_attentions:
             problem_without = why_not(inputs, False)
             if problem_without is None:
-                logger.warning_once(
-                    f'dcmha_implementation="{implementation}": {problem}; calls with output_attentions=True run '
-                    '"eager" instead (the same numbers)'
-                )
+                logger.warning_once(f'dcmha_implementation="{implementation}": {problem}; calls with '
+                                    'output_attentions=True run "eager" instead (the same numbers)')
                 backend = eager
             problem = problem_without
         if problem is not None:
-            raise ValueError(
-                f'dcmha_implementation="{implementation}" cannot compute this attention: {problem}. '
-                'Use "auto" (the CPU kernel where it applies, "compiled" or "eager" elsewhere).'
-            )
+            raise ValueError(f'dcmha_implementation="{implementation}" cannot compute this attention: {problem}. '
+                             'Use "auto" (the CPU kernel where it applies, "compiled" or "eager" elsewhere).')
     if implementation != "auto" or backend is eager:
         return backend(inputs, output_attentions=output_attentions, recompute=recompute)
     try:

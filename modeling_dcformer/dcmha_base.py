@@ -86,9 +86,8 @@ class DCMHAInputs:
         """Every query sees exactly the keys up to itself (no window, no padding, queries are the keys or one query):
         plain causal attention needs no mask."""
         _, _, T, S, _ = self.shapes
-        if self.window_size is not None or self.key_padding_mask is not None:
-            return False
-        return T == 1 or (T == S and self.query_start == self.key_start)
+        unmasked = self.window_size is None and self.key_padding_mask is None
+        return unmasked and (T == 1 or (T == S and self.query_start == self.key_start))
 
     @property
     def queries_per_chunk(self) -> int:
@@ -152,18 +151,13 @@ class DCMHAInputs:
         qt, kt = self.time_last_terms()
         pad = self.key_padding_mask
         return DCMHAChunk(
-            query=self.query[:, :, t0:t1],
-            key=self.key[:, :, s0:s1],
+            query=self.query[:, :, t0:t1], key=self.key[:, :, s0:s1],
             value=self.value[:, :, s0:s1] if with_values else None,
-            query_terms=None if qt is None else qt[..., t0:t1],
-            key_terms=None if kt is None else kt[..., s0:s1],
+            query_terms=None if qt is None else qt[..., t0:t1], key_terms=None if kt is None else kt[..., s0:s1],
             query_pos=torch.arange(self.query_start + t0, self.query_start + t1, device=device),
             key_pos=torch.arange(self.key_start + s0, self.key_start + s1, device=device),
-            key_padding_mask=None if pad is None else packed(pad[:, s0:s1]),
-            window_size=self.window_size,
-            masked=self.chunk_is_masked(t0, t1, s0, s1),
-            rank=self.rank,
-            num_groups=self.num_groups,
+            key_padding_mask=None if pad is None else packed(pad[:, s0:s1]), window_size=self.window_size,
+            masked=self.chunk_is_masked(t0, t1, s0, s1), rank=self.rank, num_groups=self.num_groups,
         )
 
 

@@ -143,11 +143,10 @@ class EagerBackend(DCMHABackend):
             # plain causal attention over the whole call: one SDPA call, causal by its own flag
             out = F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value, is_causal=T > 1)
             return out.transpose(1, 2), None
-        q, v = inputs.query, inputs.value
         spans = inputs.chunk_spans()
         if not spans:
-            probs = q.new_zeros(B, N, 0, S, dtype=torch.float32) if output_attentions else None
-            return q.new_zeros(B, 0, N, v.shape[-1]), probs
+            probs = inputs.query.new_zeros(B, N, 0, S, dtype=torch.float32) if output_attentions else None
+            return inputs.query.new_zeros(B, 0, N, inputs.value.shape[-1]), probs
         if output_attentions:
             return self.attend_with_probabilities(inputs, spans)
         step, attend = self.compose_step, attend_chunk

@@ -105,11 +105,6 @@ class DCFormerRotaryEmbedding(nn.Module):
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling  # fp32, [B, T, rot]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, N, T, Dh]; cos/sin: [B, T, rot] (fp32). Rotates the first `rot` dims, in fp32."""
     rot = cos.shape[-1]
@@ -117,7 +112,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return x
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x_rot, x_pass = x[..., :rot].float(), x[..., rot:]
-    x_rot = x_rot * cos + rotate_half(x_rot) * sin
+    half = rot // 2  # "rotate half": (x1, x2) -> (-x2, x1)
+    x_rot = x_rot * cos + torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1) * sin
     return torch.cat((x_rot.to(x.dtype), x_pass), dim=-1)
 
 
@@ -249,12 +245,10 @@ class DCFormerAttention(nn.Module):
         if cache is not None:
             key, value, key_terms, key_start = cache.update_dcmha(key, value, key_terms, self.layer_idx)
         key_padding_mask = None if padding_mask is None else padding_mask[:, key_start : key_start + key.shape[2]]
-        inputs = DCMHAInputs(
-            query=query, key=key, value=value, query_terms=query_terms, key_terms=key_terms, query_start=query_start,
-            key_start=key_start, key_padding_mask=key_padding_mask, window_size=self.window_size,
-            rank=self.config.dynamic_rank, num_groups=self.config.num_head_groups,
-            chunk_size=self.config.attention_chunk_size,
-        )
+        inputs = DCMHAInputs(query=query, key=key, value=value, query_terms=query_terms, key_terms=key_terms,
+                             query_start=query_start, key_start=key_start, key_padding_mask=key_padding_mask,
+                             window_size=self.window_size, rank=self.config.dynamic_rank,
+                             num_groups=self.config.num_head_groups, chunk_size=self.config.attention_chunk_size)
         recompute = self.config.attention_recompute and self.training and torch.is_grad_enabled()
         out, probs = dcmha_attention(inputs, self.config.dcmha_implementation, output_attentions=output_attentions,
                                      recompute=recompute)
@@ -372,10 +366,9 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         except RuntimeError:
             if load_config.ignore_mismatched_sizes or not loading_info.mismatched_keys:
                 raise
-            problem = describe_mismatch(
-                model.config, load_config.pretrained_model_name_or_path, unexpected=loading_info.unexpected_keys,
-                missing=loading_info.missing_keys, mismatched=loading_info.mismatched_keys,
-            )
+            problem = describe_mismatch(model.config, load_config.pretrained_model_name_or_path,
+                                        unexpected=loading_info.unexpected_keys, missing=loading_info.missing_keys,
+                                        mismatched=loading_info.mismatched_keys)
             if problem is None:
                 raise
             raise ValueError(problem) from None
@@ -404,13 +397,6 @@ class DCFormerPreTrainedModel(PreTrainedModel):
                 init.normal_(getattr(module, name), mean=0.0, std=std)
 
 
-def positions_from_padding(attention_mask: torch.Tensor, past_length: int, length: int) -> torch.Tensor:
-    """Position ids of the last `length` tokens from a 2D padding mask covering past and present tokens:
-    real tokens are numbered 0, 1, ... in each row whatever the padding before them."""
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return positions[:, past_length : past_length + length]
-
-
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """One clear error for a token id outside the embedding table (the embedding would say "index out of range in
     self", or on CUDA fail asynchronously). Two reductions: cheap next to a forward pass; skipped under
@@ -428,7 +414,6 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
 class DCFormerModel(DCFormerPreTrainedModel):
     def __init__(self, config: DCFormerConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([DCFormerDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = make_norm(config)
@@ -488,8 +473,9 @@ class DCFormerModel(DCFormerPreTrainedModel):
             if not torch.compiler.is_compiling() and bool(padding_mask.all()):
                 padding_mask = None
         if position_ids is None:
-            if attention_mask is not None:
-                position_ids = positions_from_padding(attention_mask.to(device), past_length, T)
+            if attention_mask is not None:  # real tokens are numbered 0, 1, ... in each row, whatever the padding
+                positions = (attention_mask.to(device).long().cumsum(-1) - 1).clamp(min=0)
+                position_ids = positions[:, past_length : past_length + T]
             else:
                 position_ids = torch.arange(past_length, past_length + T, device=device).unsqueeze(0).expand(B, T)
 
@@ -500,20 +486,17 @@ class DCFormerModel(DCFormerPreTrainedModel):
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, probs = layer(
-                hidden_states, position_embeddings=position_embeddings, query_start=past_length,
-                padding_mask=padding_mask, cache=cache, output_attentions=output_attentions,
-            )
+            hidden_states, probs = layer(hidden_states, position_embeddings=position_embeddings,
+                                         query_start=past_length, padding_mask=padding_mask, cache=cache,
+                                         output_attentions=output_attentions)
             if output_attentions:
                 all_attentions += (probs,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
 
-        output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None},
-            hidden_states=all_hidden_states, attentions=all_attentions,
-        )
+        output = BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None},
+                                         hidden_states=all_hidden_states, attentions=all_attentions)
         return output if return_dict else output.to_tuple()
 
 
@@ -559,12 +542,10 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
             model_kwargs[CACHE_NAME].activate_past_recording()
 
     def _prepare_generation_config(self, generation_config, **kwargs):
-        """transformers' own, after refusing a `cache_implementation` DCFormer does not support (given to
-        `generate()` or in the generation config passed to it): transformers would turn "hybrid" into its default
-        without a word."""
+        """transformers' own, after refusing a `cache_implementation` DCFormer does not support (given to `generate()`
+        or in its generation config): transformers would turn "hybrid" into its default without a word."""
         check_cache_implementation(kwargs.get("cache_implementation"))
-        if generation_config is not None:
-            check_cache_implementation(generation_config.cache_implementation)
+        check_cache_implementation(getattr(generation_config, "cache_implementation", None))
         return super()._prepare_generation_config(generation_config, **kwargs)
 
     def _prepare_model_inputs(self, *args, **kwargs):
@@ -596,21 +577,17 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         """`cache` is transformers' name for the cache from 5.24 on; `past_key_values`, the earlier one, is accepted."""
         cache = cache_argument(cache, past_key_values)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
-        )
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+                             output_hidden_states=output_hidden_states, return_dict=True)
         hidden_states = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, slice_indices, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = CausalLMOutputWithPast(
-            loss=loss, logits=logits, **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
-            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-        )
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
+                                        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return output if return_dict else output.to_tuple()
 
 
