@@ -120,9 +120,8 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         # the next step needs the window - 1 keys before the new end; while nothing was dropped, all of them
         limit = length if stored == length else stored - (self.window_size - 1)
         if remove > limit:
-            kept = "the last window_size - 1 keys"
-            if self.record_past:
-                kept = "the window_size - 1 keys before the last crop and every key added since"
+            kept = ("the window_size - 1 keys before the last crop and every key added since" if self.record_past
+                    else "the last window_size - 1 keys")
             raise ValueError(f"cannot crop {remove} of the {length} tokens of a local DCFormer cache layer "
                              f"(window_size={self.window_size}): it can roll back at most {limit}, as it keeps only "
                              f"{kept}. Call cache.activate_past_recording() before the steps to roll back (assisted "

@@ -116,11 +116,9 @@ class DCFormerConfig(PreTrainedConfig):
     model_type = "dcformer"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
     attribute_map = {"sliding_window": "window_size", "rms_norm_eps": "layer_norm_eps"}
-    base_model_pp_plan = {
-        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "norm": (["hidden_states"], ["hidden_states"]),
-    }
+    base_model_pp_plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"]),
+                          "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+                          "norm": (["hidden_states"], ["hidden_states"])}
 
     vocab_size: int = 50432
     hidden_size: int = 768
@@ -175,12 +173,9 @@ class DCFormerConfig(PreTrainedConfig):
                              "from those two: leave it out or make it agree")
         if self.dynamic_hidden_size is None:
             self.dynamic_hidden_size = 4 * (self.num_attention_heads // self.num_head_groups)
-        if self.layer_types is None:
-            if self.window_size is None:
-                self.layer_types = ["full_attention"] * self.num_hidden_layers
-            else:
-                local = parse_window_type(self.window_type, self.num_hidden_layers)
-                self.layer_types = ["sliding_attention" if f else "full_attention" for f in local]
+        if self.layer_types is None:  # local where window_type says, if there is a window (validate_sizes checked)
+            local = parse_window_type(self.window_type, self.num_hidden_layers)
+            self.layer_types = ["sliding_attention" if f and self.window_size else "full_attention" for f in local]
         super().__post_init__(**kwargs)
         self.validate_dcmha()
 
@@ -241,10 +236,8 @@ class DCFormerConfig(PreTrainedConfig):
         if is_released_config(config_dict):
             config_dict = released_format().translate_released_config(config_dict)
         if kwargs.get("attn_implementation") is not None:  # a load's kwargs: transformers' name for ours, checked here
-            attn_implementation = kwargs.pop("attn_implementation")
-            kwargs["dcmha_implementation"] = check_attn_implementation(
-                attn_implementation, kwargs.get("dcmha_implementation")
-            )
+            given = kwargs.pop("attn_implementation")
+            kwargs["dcmha_implementation"] = check_attn_implementation(given, kwargs.get("dcmha_implementation"))
         return super().from_dict(config_dict, **kwargs)
 
     @classmethod

@@ -232,6 +232,4 @@ def compile_supported(device: torch.device) -> bool:
     """Whether torch.compile's default backend can generate code for `device` here."""
     if device.type == "cpu":
         return any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
-    if device.type == "cuda":
-        return importlib.util.find_spec("triton") is not None
-    return False
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None

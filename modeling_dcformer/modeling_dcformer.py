@@ -421,12 +421,6 @@ class DCFormerModel(DCFormerPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
@@ -521,9 +515,8 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         tokens."""
         implementation = generation_config.cache_implementation
         check_cache_implementation(implementation)
-        given = model_kwargs.get(CACHE_NAME)
-        if given is not None and check_cache(given) is None:  # an empty DynamicCache: built below as ours
-            model_kwargs[CACHE_NAME] = None
+        if model_kwargs.get(CACHE_NAME) is not None and check_cache(model_kwargs[CACHE_NAME]) is None:
+            model_kwargs[CACHE_NAME] = None  # an empty DynamicCache: built below as ours
         if model_kwargs.get(CACHE_NAME) is not None:
             if implementation is not None:
                 raise ValueError(f"pass either cache_implementation or {CACHE_NAME} to generate(), not both")
@@ -559,12 +552,6 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
             raise ValueError(f"generate() got an empty prompt: {input_name} of shape {tuple(inputs.shape)}; give at "
                              f"least one token per row{hint}, or no {input_name} at all to start from the BOS token")
         return inputs, input_name, model_kwargs
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
 
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
