@@ -450,16 +450,13 @@ def write_shareable(directory: Path, config, name: str, repo_id: str | None = No
 
 
 def push_output(directory: Path, repo_id: str, private: bool = False, token: str | None = None, message: str = ""):
-    """Upload a finished output directory. A failed upload leaves it in place and raises `hub.HubUploadError`, whose
-    one-line message names the directory, the failure and the `hf upload` command that retries just the upload."""
-    from modeling_dcformer.hub import HubUploadError, push_folder, retry_upload_command
+    """Upload a finished output directory. A failed upload leaves it in place and raises `hub.HubUploadError` (the
+    error `save_pretrained(push_to_hub=True)` raises), whose one-line message names the directory, the failure and the
+    `hf upload` command that retries just the upload."""
+    from modeling_dcformer.hub import HubUploadError, push_folder
 
     try:
         info = push_folder(directory, repo_id, private=private or None, token=token, commit_message=message or None)
     except Exception as err:  # network, authentication, permissions: one line, not the HTTP client's traceback
-        retry = retry_upload_command(repo_id, Path(directory).resolve(), private)
-        raise HubUploadError(
-            f"the conversion is complete in {Path(directory).resolve()}, but uploading it to {repo_id} failed "
-            f"({one_line(err)}); retry the upload with: {retry}"
-        ) from err
+        raise HubUploadError.of(err, repo_id, Path(directory).resolve(), private) from None
     print(f"Pushed {directory} -> {getattr(info, 'commit_url', None) or repo_id}")

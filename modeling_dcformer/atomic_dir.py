@@ -13,7 +13,7 @@ API (stable):
     # exactly as it was
 
     atomic_dir.resolve(destination) -> Path  # the real folder a destination names (".", "..", symlinks resolved)
-    atomic_dir.write_file(path, text)        # one file, written beside it and swapped in (a model card, a report)
+    atomic_dir.write_file(path, data)        # one file (text or bytes), written beside it and swapped in
 
 - `destination` may be relative, ".", "..", the current directory or one above it, or a symlink (to a folder,
   to an empty folder, or dangling): the folder it names is replaced and the link is kept. An existing file there is
@@ -232,14 +232,15 @@ def replacing(
         os.chdir(cwd)  # it was inside the old copy, now deleted: the same path in the new one
 
 
-def write_file(path: str | os.PathLike, text: str) -> None:
-    """Write `text` (UTF-8) to a new hidden sibling of the file `path` (mode as for any new file: the umask applies),
-    then rename it over `path`: a reader, or a crash at any moment, sees the old file or the new one, whole."""
+def write_file(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write `data` (text as UTF-8, or bytes: a figure) to a new hidden sibling of the file `path` (mode as for any
+    new file: the umask applies), then rename it over `path`: a reader, or a crash at any moment, sees the old file or
+    the new one, whole."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "x", encoding="utf-8", newline="") as handle:
-            handle.write(text)
+        with open(tmp, "xb") as handle:
+            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

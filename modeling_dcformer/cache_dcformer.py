@@ -111,10 +111,7 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         if not self.is_initialized:
             return
         length = self.cumulative_length
-        if tokens_to_remove > 0:
-            remove = max(0, length - tokens_to_remove)
-        else:
-            remove = min(-tokens_to_remove, length)
+        remove = max(0, length - tokens_to_remove) if tokens_to_remove > 0 else min(-tokens_to_remove, length)
         stored = self.keys.shape[-2]
         if self.window_size is None:
             self._keep(0, stored - remove)
@@ -123,14 +120,12 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         # the next step needs the window - 1 keys before the new end; while nothing was dropped, all of them
         limit = length if stored == length else stored - (self.window_size - 1)
         if remove > limit:
-            kept = "the last window_size - 1 keys"
-            if self.record_past:
-                kept = "the window_size - 1 keys before the last crop and every key added since"
-            raise ValueError(
-                f"cannot crop {remove} of the {length} tokens of a local DCFormer cache layer "
-                f"(window_size={self.window_size}): it can roll back at most {limit}, as it keeps only {kept}. "
-                "Call cache.activate_past_recording() before the steps to roll back (assisted decoding does)"
-            )
+            kept = ("the window_size - 1 keys before the last crop and every key added since" if self.record_past
+                    else "the last window_size - 1 keys")
+            raise ValueError(f"cannot crop {remove} of the {length} tokens of a local DCFormer cache layer "
+                             f"(window_size={self.window_size}): it can roll back at most {limit}, as it keeps only "
+                             f"{kept}. Call cache.activate_past_recording() before the steps to roll back (assisted "
+                             "decoding does)")
         self._keep(stored - remove - min(self.window_size - 1, length - remove), stored - remove)
         self.cumulative_length = length - remove
 
@@ -164,10 +159,8 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
             self.lazy_initialization(key, value, key_terms)
         start, end = self.cumulative_length, self.cumulative_length + key.shape[-2]
         if end > self.max_cache_len:
-            raise ValueError(
-                f"the static DCFormer cache holds max_cache_len={self.max_cache_len} tokens; this step would need "
-                f"{end}: make it longer (generate's max_cache_len, or max_new_tokens)"
-            )
+            raise ValueError(f"the static DCFormer cache holds max_cache_len={self.max_cache_len} tokens; this step "
+                             f"would need {end}: make it longer (generate's max_cache_len, or max_new_tokens)")
         self.keys[:, :, start:end] = key
         self.values[:, :, start:end] = value
         if key_terms is not None:
@@ -211,15 +204,11 @@ class DCFormerCache(Cache):
         # `input_products`): made at the first step, reused by the later steps of the same generation
         self.projection_weights: dict[int, dict] = {}
 
-    def update_dcmha(self, key, value, key_terms, layer_idx: int, window_size: int | None):
+    def update_dcmha(self, key, value, key_terms, layer_idx: int):
         """Append this step's keys, values and key terms; returns (keys, values, key_terms, key_start) to attend to."""
         layer = self.layers[layer_idx]
         keys, values, terms = layer.update_dcmha(key, value, key_terms)
-        total = layer.cumulative_length
-        return keys, values, terms, total - keys.shape[-2]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].get_seq_length() if self.layers else 0
+        return keys, values, terms, layer.cumulative_length - keys.shape[-2]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Crop every layer, the local ones first: if one refuses, the first does, and nothing has changed."""
@@ -230,20 +219,17 @@ class DCFormerCache(Cache):
 # generate()'s cache_implementation values DCFormer honours (besides None); transformers' others build caches of keys
 # and values alone, which cannot hold the key composition factors ("hybrid" it would replace silently).
 SUPPORTED_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
-CACHE_HINT = (
-    "use DCFormerCache(model.config) (growing) or DCFormerCache(model.config, max_cache_len=N) (static buffers; "
-    "from modeling_dcformer import DCFormerCache), or let generate() build it: cache_implementation=\"static\" "
-    "or \"dynamic\" (the default)"
-)
+CACHE_HINT = ("use DCFormerCache(model.config) (growing) or DCFormerCache(model.config, max_cache_len=N) (static "
+              "buffers; from modeling_dcformer import DCFormerCache), or let generate() build it: "
+              "cache_implementation=\"static\" or \"dynamic\" (the default)")
 
 
 def check_cache_implementation(implementation) -> None:
     """Refuses a `cache_implementation` DCFormer does not support, with one line naming the value and what to use."""
     if implementation is not None and implementation not in SUPPORTED_CACHE_IMPLEMENTATIONS:
-        raise ValueError(
-            f"cache_implementation={implementation!r} is not supported by DCFormer: its cache also holds each key's "
-            f"composition factors, which transformers' {implementation!r} cache cannot; {CACHE_HINT}"
-        )
+        raise ValueError(f"cache_implementation={implementation!r} is not supported by DCFormer: its cache also "
+                         f"holds each key's composition factors, which transformers' {implementation!r} cache cannot; "
+                         f"{CACHE_HINT}")
 
 
 def check_cache(cache) -> "DCFormerCache | None":
@@ -257,16 +243,12 @@ def check_cache(cache) -> "DCFormerCache | None":
         raise TypeError(f"DCFormer's cache must be a DCFormerCache, got a {name}; {CACHE_HINT}")
     if type(cache) is DynamicCache and not getattr(cache, "offloading", False):
         if cache.get_seq_length() > 0:
-            raise TypeError(
-                f"DCFormer cannot continue from a filled DynamicCache ({cache.get_seq_length()} tokens): it lacks the "
-                f"keys' composition factors; {CACHE_HINT}"
-            )
+            raise TypeError(f"DCFormer cannot continue from a filled DynamicCache ({cache.get_seq_length()} tokens): "
+                            f"it lacks the keys' composition factors; {CACHE_HINT}")
         return None
     what = "an offloading DynamicCache" if type(cache) is DynamicCache else f"transformers' {name}"
-    raise TypeError(
-        f"DCFormer cannot use {what}: its cache also holds each key's composition factors, which that cache's "
-        f"layers cannot store; {CACHE_HINT}"
-    )
+    raise TypeError(f"DCFormer cannot use {what}: its cache also holds each key's composition factors, which that "
+                    f"cache's layers cannot store; {CACHE_HINT}")
 
 
 __all__ = ["DCFormerCache", "DCFormerCacheLayer", "DCFormerStaticCacheLayer", "check_cache",

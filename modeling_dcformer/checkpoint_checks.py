@@ -45,20 +45,9 @@ OUR_TENSORS = re.compile(r"^(layers\.|embed_tokens\.|norm\.)")
 NOT_FLOAT_SAFETENSORS = {"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"}
 
 
-def _body_key(key: str) -> str:
-    return key[len("model.") :] if key.startswith("model.") else key
-
-
 def _first_field(table: list, key: str) -> str:
     """The field of the first pattern in `table` that `key` matches; "" if none does."""
     return next((field for pattern, field in table if pattern.search(key)), "")
-
-
-def _presence_field(key: str, config) -> str:
-    match = LAYER.match(key)
-    if match and int(match.group(1)) >= config.num_hidden_layers:
-        return "num_hidden_layers"
-    return _first_field(PRESENCE_FIELDS, key)
 
 
 def _listing(keys: list[str], limit: int = 4) -> str:
@@ -89,13 +78,13 @@ def _presence_problem(config, field: str, keys: list[str], unused: bool) -> str:
 SLOT_DIMS = {"dw1": 2, "qkw": 1, "dd": 2}
 
 
-def _slot_count_differs(key: str, checkpoint_shape, model_shape, config) -> bool:
-    """Whether a dynamic weight differs from the model's only by holding 4 slots against 2 (or 2 against 4)."""
+def _slot_count_differs(key: str, ours: tuple, theirs: tuple, config) -> bool:
+    """Whether a dynamic weight differs from the model's only by holding 4 slots against 2 (or 2 against 4): `ours`
+    is the checkpoint's shape, `theirs` the model's."""
     match = re.search(r"\.dyn_w_proj\.(dw1|qkw|dd)$", key)
-    if not match or len(checkpoint_shape) != len(model_shape):
+    if not match or len(ours) != len(theirs):
         return False
     dim = SLOT_DIMS[match.group(1)]
-    ours, theirs = list(checkpoint_shape), list(model_shape)
     ratio = 2 if config.query_wise else 0.5  # checkpoint slots / model slots that query_wise explains
     return ours[:dim] + ours[dim + 1 :] == theirs[:dim] + theirs[dim + 1 :] and ours[dim] == ratio * theirs[dim]
 
@@ -104,10 +93,10 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
     """A message naming, per config field, the checkpoint's tensors that the config leaves unused (`unexpected`),
     lacks (`missing`) or shapes differently (`mismatched`: (key, checkpoint shape, model shape)); None if nothing
     concerns the DCFormer body (an `lm_head` left over when loading the base model is not a mismatch)."""
-    unexpected = [_body_key(key) for key in unexpected]
+    unexpected = [key.removeprefix("model.") for key in unexpected]
     foreign = [key for key in unexpected if not OUR_TENSORS.match(key) and not key.startswith("lm_head.")]
     unexpected = [key for key in unexpected if OUR_TENSORS.match(key)]
-    missing = [_body_key(key) for key in missing]
+    missing = [key.removeprefix("model.") for key in missing]
     problems = []
     if missing and foreign:  # tensors the model does not know, in place of some it needs: name them first
         problems.append(f"the checkpoint has tensors that are not DCFormer's ({_listing(foreign)})")
@@ -117,15 +106,14 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
         missing = []
     for keys, unused in ((unexpected, True), (missing, False)):
         by_field = defaultdict(list)
-        for key in keys:
-            by_field[_presence_field(key, config)].append(key)
+        for key in keys:  # a layer beyond num_hidden_layers, else the field that decides whether the tensor exists
+            layer = LAYER.match(key)
+            beyond = layer is not None and int(layer.group(1)) >= config.num_hidden_layers
+            by_field["num_hidden_layers" if beyond else _first_field(PRESENCE_FIELDS, key)].append(key)
         problems += [_presence_problem(config, field, keys, unused) for field, keys in by_field.items()]
-    slot_keys, other = [], []
-    for key, checkpoint_shape, model_shape in mismatched:
-        key = _body_key(key)
-        (slot_keys if _slot_count_differs(key, checkpoint_shape, model_shape, config) else other).append(
-            (key, tuple(checkpoint_shape), tuple(model_shape))
-        )
+    mismatched = [(key.removeprefix("model."), tuple(ours), tuple(theirs)) for key, ours, theirs in mismatched]
+    slot_keys = [entry for entry in mismatched if _slot_count_differs(*entry, config)]
+    other = [entry for entry in mismatched if entry not in slot_keys]
     if slot_keys:
         slots = "all four composition slots" if config.query_wise else "only the two query-wise slots"
         problems.append(
@@ -138,25 +126,14 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
         problems.append(f"{key} has shape {checkpoint_shape} in the checkpoint but {model_shape} in the model{hint}")
     if len(other) > 6:
         problems.append(f"{len(other) - 6} more tensors of the wrong shape")
-    if not problems:
-        return None
-    return f"checkpoint {str(source)!r} does not match its config: " + "; ".join(problems)
-
-
-def _safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    header.pop("__metadata__", None)
-    return header
+    return f"checkpoint {str(source)!r} does not match its config: " + "; ".join(problems) if problems else None
 
 
 # DCFormer's own tensor names: ours ("model." optional, lm_head) and the released layout's.
 DCFORMER_KEY = re.compile(r"^(model\.)?(layers\.\d+\.|embed_tokens\.|norm\.)|^lm_head\." + RELEASED_NAMES)
-# Tensors no quantizer of transformers replaces (bitsandbytes and torchao quantize nn.Linear weights, and with
-# options the embeddings and the output head): norms, biases and the dynamic-weight generator's raw parameters
-# dw1/qkw/dd, which are not nn.Linear and stay in the compute dtype. Integers there are corrupt even in a quantized
-# checkpoint.
+# Tensors no quantizer of transformers replaces (bitsandbytes and torchao quantize nn.Linear weights, with options the
+# embeddings and the output head): norms, biases and the dynamic-weight generator's raw parameters dw1/qkw/dd (not
+# nn.Linear: they stay in the compute dtype). Integers there are corrupt even in a quantized checkpoint.
 ALWAYS_FLOAT = re.compile(r"(norm|layernorm)\.(weight|bias|scale)$|\.bias$|dyn_w_proj\.(dw1|qkw|dd)$")
 
 
@@ -176,12 +153,13 @@ def non_float_tensors(files: list[Path], quantized: bool = False) -> dict[str, s
     bad = {}
     for path in map(Path, files):
         if path.suffix == ".safetensors":
-            try:
-                header = _safetensors_header(path)
+            try:  # the header: 8 bytes of length, then JSON
+                with open(path, "rb") as handle:
+                    header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
             except (OSError, ValueError, struct.error):
                 continue
-            bad.update({key: entry["dtype"] for key, entry in header.items()
-                        if entry["dtype"] in NOT_FLOAT_SAFETENSORS and not integers_meant(key, quantized)})
+            bad.update({key: entry["dtype"] for key, entry in header.items() if key != "__metadata__"
+                        and entry["dtype"] in NOT_FLOAT_SAFETENSORS and not integers_meant(key, quantized)})
         else:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             bad.update({key: str(tensor.dtype) for key, tensor in state.items() if torch.is_tensor(tensor)
@@ -196,7 +174,5 @@ def check_dtypes(source, files: list, quantized: bool = False) -> None:
     bad = non_float_tensors(files, quantized=quantized)
     if bad:
         listing = _listing([f"{key} ({dtype})" for key, dtype in bad.items()])
-        raise ValueError(
-            f"checkpoint {str(source)!r} stores weights with a non-floating dtype, which loading would cast to floats "
-            f"without meaning: {listing}; the file is corrupt or not a DCFormer checkpoint"
-        )
+        raise ValueError(f"checkpoint {str(source)!r} stores weights with a non-floating dtype, which loading would "
+                         f"cast to floats without meaning: {listing}; the file is corrupt or not a DCFormer checkpoint")

@@ -43,11 +43,9 @@ def released_format(where: str = "this config"):
     try:
         from modeling_dcformer import released_format as module
     except ImportError:
-        raise ValueError(
-            f"{where} is in the layout of the authors' released DCFormer checkpoints (keys dim, n_layer, n_head): "
-            "reading it needs the modeling_dcformer package (pip install modeling-dcformer), or convert it once with "
-            "dcformer-convert-released"
-        ) from None
+        raise ValueError(f"{where} is in the layout of the authors' released DCFormer checkpoints (keys dim, n_layer, "
+                         "n_head): reading it needs the modeling_dcformer package (pip install modeling-dcformer), or "
+                         "convert it once with dcformer-convert-released") from None
     return module
 
 
@@ -58,18 +56,15 @@ def check_attn_implementation(value: str, dcmha_implementation: str | None = Non
     known = implementation_names()  # the DCMHA registry's names, built-in and registered
     if value in known:
         if dcmha_implementation is not None and dcmha_implementation != value:
-            raise ValueError(
-                f"attn_implementation={value!r} and dcmha_implementation={dcmha_implementation!r} disagree: for "
-                "DCFormer they are two names of one choice; give one of them"
-            )
+            raise ValueError(f"attn_implementation={value!r} and dcmha_implementation={dcmha_implementation!r} "
+                             "disagree: for DCFormer they are two names of one choice; give one of them")
         return value
-    raise ValueError(
-        f"attn_implementation={value!r} cannot compute DCFormer's attention: DCMHA composes the heads before and after "
-        "the softmax, and transformers' attention functions (sdpa, flash_attention_*, flex_attention, paged|*, Hub "
-        "kernels) compute plain attention. For DCFormer, attn_implementation is the same choice as the config field "
-        f"dcmha_implementation, one of {known}: 'auto' (the default) picks the fastest that applies, 'eager' is the "
-        "reference in PyTorch ops; see docs/implementations.md"
-    )
+    raise ValueError(f"attn_implementation={value!r} cannot compute DCFormer's attention: DCMHA composes the heads "
+                     "before and after the softmax, and transformers' attention functions (sdpa, flash_attention_*, "
+                     "flex_attention, paged|*, Hub kernels) compute plain attention. For DCFormer, attn_implementation "
+                     f"is the same choice as the config field dcmha_implementation, one of {known}: 'auto' (the "
+                     "default) picks the fastest that applies, 'eager' is the reference in PyTorch ops; see "
+                     "docs/implementations.md")
 
 
 def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[bool]:
@@ -77,10 +72,8 @@ def parse_window_type(window_type: str | None, num_hidden_layers: int) -> list[b
     repeated over the layers ("LGLL" is [L, G, L, L]; "LGL6" is [L, G, L, L, L, L, L, L]; None is "LG")."""
     pattern = "LG" if window_type is None else window_type
     if not isinstance(pattern, str) or not re.fullmatch(r"([LG]\d*)+", pattern):
-        raise ValueError(
-            f"window_type={window_type!r} is not a window pattern: use None, 'LG', 'LGLL', 'LGL6' or any "
-            "string of L (local) / G (global) letters, each optionally followed by a repeat count"
-        )
+        raise ValueError(f"window_type={window_type!r} is not a window pattern: use None, 'LG', 'LGLL', 'LGL6' or any "
+                         "string of L (local) / G (global) letters, each optionally followed by a repeat count")
     flags = []
     for letter, count in re.findall(r"([LG])(\d*)", pattern):
         repeat = int(count) if count else 1
@@ -113,25 +106,19 @@ class DCFormerConfig(PreTrainedConfig):
         attention_chunk_size (`int`, 128): queries attended at a time (memory: heads x chunk x visible keys);
             local layers use chunks of at most max(64, window_size // 2) queries.
         attention_recompute (`bool`, True): in training, recompute each chunk's attention in the backward pass.
-        dcmha_implementation (`str`, "auto"): how attention is computed, the same numbers to float rounding:
-            "eager" (PyTorch ops, the reference), "compiled" (torch.compile'd Compose stages), "kernel" (CPU C++
-            operator, inference only), "triton" (CUDA kernels), "auto" (the kernel where it applies, "compiled" for
-            big calls, else "eager"), or a backend registered with `DCMHAInterface.register`. transformers'
-            `attn_implementation` is a second name for this field; its own values ("sdpa", ...) are an error.
-        dynamic_init (`str`, "authors"): initialisation of dw1, qkw and dd in a model built from its config:
-            "authors" (the authors' standard deviations: composition starts near the identity) or "normal"
-            (`initializer_range` for all three).
+        dcmha_implementation (`str`, "auto"): how attention is computed (the same numbers to float rounding):
+            "eager" (the reference), "compiled", "kernel" (CPU, inference), "triton" (CUDA), "auto" (the fastest that
+            applies) or a registered backend; `attn_implementation` is a second name (its "sdpa", ... are an error).
+        dynamic_init (`str`, "authors"): init of dw1, qkw, dd from a config: "authors" (their standard deviations:
+            composition starts near the identity) or "normal" (`initializer_range`).
     """
 
     model_type = "dcformer"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
     attribute_map = {"sliding_window": "window_size", "rms_norm_eps": "layer_norm_eps"}
-    base_model_tp_plan = None
-    base_model_pp_plan = {
-        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "norm": (["hidden_states"], ["hidden_states"]),
-    }
+    base_model_pp_plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"]),
+                          "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+                          "norm": (["hidden_states"], ["hidden_states"])}
 
     vocab_size: int = 50432
     hidden_size: int = 768
@@ -173,27 +160,22 @@ class DCFormerConfig(PreTrainedConfig):
         if kwargs.get("attn_implementation") is not None:  # given to the config itself: checked at once
             given = self.dcmha_implementation if self.dcmha_implementation != "auto" else None  # both given: agree
             check_attn_implementation(kwargs["attn_implementation"], given)
-        # Pythia's name for the rotary fraction is accepted on the way in.
-        if "rotary_pct" in kwargs:
+        if "rotary_pct" in kwargs:  # Pythia's name for the rotary fraction, accepted on the way in
             kwargs.setdefault("partial_rotary_factor", kwargs.pop("rotary_pct"))
         if self.rope_parameters is None and "partial_rotary_factor" not in kwargs:
             kwargs["partial_rotary_factor"] = 0.25
         head_dim = kwargs.pop("head_dim", None)  # HF-style configs often spell it out: derived here, so only checked
         self.validate_sizes()
         if head_dim is not None and head_dim != self.hidden_size // self.num_attention_heads:
-            raise ValueError(
-                f"head_dim={head_dim!r} does not match hidden_size / num_attention_heads = {self.hidden_size} / "
-                f"{self.num_attention_heads} = {self.hidden_size // self.num_attention_heads}; DCFormer derives "
-                "head_dim from those two: leave it out or make it agree"
-            )
+            heads = self.num_attention_heads
+            raise ValueError(f"head_dim={head_dim!r} does not match hidden_size / num_attention_heads = "
+                             f"{self.hidden_size} / {heads} = {self.hidden_size // heads}; DCFormer derives head_dim "
+                             "from those two: leave it out or make it agree")
         if self.dynamic_hidden_size is None:
             self.dynamic_hidden_size = 4 * (self.num_attention_heads // self.num_head_groups)
-        if self.layer_types is None:
-            if self.window_size is None:
-                self.layer_types = ["full_attention"] * self.num_hidden_layers
-            else:
-                local = parse_window_type(self.window_type, self.num_hidden_layers)
-                self.layer_types = ["sliding_attention" if f else "full_attention" for f in local]
+        if self.layer_types is None:  # local where window_type says, if there is a window (validate_sizes checked)
+            local = parse_window_type(self.window_type, self.num_hidden_layers)
+            self.layer_types = ["sliding_attention" if f and self.window_size else "full_attention" for f in local]
         super().__post_init__(**kwargs)
         self.validate_dcmha()
 
@@ -254,10 +236,8 @@ class DCFormerConfig(PreTrainedConfig):
         if is_released_config(config_dict):
             config_dict = released_format().translate_released_config(config_dict)
         if kwargs.get("attn_implementation") is not None:  # a load's kwargs: transformers' name for ours, checked here
-            attn_implementation = kwargs.pop("attn_implementation")
-            kwargs["dcmha_implementation"] = check_attn_implementation(
-                attn_implementation, kwargs.get("dcmha_implementation")
-            )
+            given = kwargs.pop("attn_implementation")
+            kwargs["dcmha_implementation"] = check_attn_implementation(given, kwargs.get("dcmha_implementation"))
         return super().from_dict(config_dict, **kwargs)
 
     @classmethod
@@ -271,10 +251,9 @@ class DCFormerConfig(PreTrainedConfig):
         if config_dict and is_released_config(config_dict):
             released_format(where)
         elif config_dict and "model_type" not in config_dict:
-            raise ValueError(
-                f"{where} has no \"model_type\": a DCFormer config says \"model_type\": \"dcformer\"; add that line "
-                "(without it transformers' Auto classes cannot tell the model and ask to run remote code)"
-            )
+            raise ValueError(f"{where} has no \"model_type\": a DCFormer config says \"model_type\": \"dcformer\"; add "
+                             "that line (without it transformers' Auto classes cannot tell the model and ask to run "
+                             "remote code)")
         return config_dict, unused
 
     @property

@@ -35,6 +35,12 @@ PARALLEL_MIN_SCORES = 1 << 18
 _parallel_pid: int | None = None  # the process whose thread pool the kernel has used
 
 
+def needs_grad(inputs: DCMHAInputs) -> bool:
+    """Whether autograd records the call `inputs` (some input requires a gradient and grad mode is on)."""
+    tensors = (inputs.query, inputs.key, inputs.value, inputs.query_terms, inputs.key_terms)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def runs_parallel(num_scores: int) -> bool:
     """Whether a chunk of `num_scores` scores spreads its tiles over PyTorch's intra-op threads: big chunks, with more
     than one thread, and never in a process forked after the kernel ran in parallel (GNU OpenMP, PyTorch's pool
@@ -182,7 +188,7 @@ class CPUKernelBackend(DCMHABackend):
             return "no composition (use_dcmha=False)"
         if inputs.query.device.type != "cpu":
             return f"it runs on CPU, not on {inputs.query.device.type}"
-        if inputs.needs_grad():
+        if needs_grad(inputs):
             return "it computes no gradients (training, or inputs that require grad)"
         if inputs.rank > MAX_RANK:
             return f"it supports dynamic_rank <= {MAX_RANK}"

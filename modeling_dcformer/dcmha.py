@@ -76,9 +76,8 @@ def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):
 TRACED_AS_EAGER = ("auto", "compiled", "kernel")
 
 
-def dcmha_attention(
-    inputs: DCMHAInputs, implementation: str = "auto", *, output_attentions: bool = False, recompute: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def dcmha_attention(inputs: DCMHAInputs, implementation: str = "auto", *, output_attentions: bool = False,
+                    recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """DCMHA with the implementation named `implementation` ("auto": `choose_auto`): the output [B, T, N, Dh] and,
     with `output_attentions`, the composed probabilities [B, N, T, S] (fp32). Plain attention always runs "eager"
     (SDPA); so do traced calls (`TRACED_AS_EAGER`), and output_attentions calls of a backend that cannot return the
@@ -90,27 +89,21 @@ def dcmha_attention(
         backend = choose_auto(inputs, output_attentions)
     else:
         if implementation not in DCMHA_BACKENDS:
-            raise ValueError(
-                f"dcmha_implementation={implementation!r} is not registered; choose one of "
-                f"{list(implementation_names())}"
-            )
+            known = list(implementation_names())
+            raise ValueError(f"dcmha_implementation={implementation!r} is not registered; choose one of {known}")
         backend = DCMHA_BACKENDS[implementation]
         why_not = getattr(backend, "why_not", lambda inputs, output_attentions: None)
         problem = why_not(inputs, output_attentions)
         if problem is not None and output_attentions:
             problem_without = why_not(inputs, False)
             if problem_without is None:
-                logger.warning_once(
-                    f'dcmha_implementation="{implementation}": {problem}; calls with output_attentions=True run '
-                    '"eager" instead (the same numbers)'
-                )
+                logger.warning_once(f'dcmha_implementation="{implementation}": {problem}; calls with '
+                                    'output_attentions=True run "eager" instead (the same numbers)')
                 backend = eager
             problem = problem_without
         if problem is not None:
-            raise ValueError(
-                f'dcmha_implementation="{implementation}" cannot compute this attention: {problem}. '
-                'Use "auto" (the CPU kernel where it applies, "compiled" or "eager" elsewhere).'
-            )
+            raise ValueError(f'dcmha_implementation="{implementation}" cannot compute this attention: {problem}. '
+                             'Use "auto" (the CPU kernel where it applies, "compiled" or "eager" elsewhere).')
     if implementation != "auto" or backend is eager:
         return backend(inputs, output_attentions=output_attentions, recompute=recompute)
     try:
@@ -121,11 +114,7 @@ def dcmha_attention(
 
 
 DCMHAInterface._global_mapping.update(
-    {
-        "eager": EAGER,
-        "compiled": COMPILED,
-        "kernel": LazyBackend("kernel", "cpu_kernel", "KERNEL"),
-        "triton": LazyBackend("triton", "triton_kernel", "TRITON"),
-    }
+    eager=EAGER, compiled=COMPILED, kernel=LazyBackend("kernel", "cpu_kernel", "KERNEL"),
+    triton=LazyBackend("triton", "triton_kernel", "TRITON"),
 )
 DCMHA_BACKENDS = DCMHAInterface()

@@ -86,9 +86,8 @@ class DCMHAInputs:
         """Every query sees exactly the keys up to itself (no window, no padding, queries are the keys or one query):
         plain causal attention needs no mask."""
         _, _, T, S, _ = self.shapes
-        if self.window_size is not None or self.key_padding_mask is not None:
-            return False
-        return T == 1 or (T == S and self.query_start == self.key_start)
+        unmasked = self.window_size is None and self.key_padding_mask is None
+        return unmasked and (T == 1 or (T == S and self.query_start == self.key_start))
 
     @property
     def queries_per_chunk(self) -> int:
@@ -103,13 +102,6 @@ class DCMHAInputs:
         B, N, T, S, _ = self.shapes
         keys = S if self.window_size is None else min(S, self.queries_per_chunk + self.window_size - 1)
         return B * N * T * keys
-
-    def tensors(self) -> tuple:
-        return (self.query, self.key, self.value, self.query_terms, self.key_terms)
-
-    def needs_grad(self) -> bool:
-        """Whether autograd records this call (some input requires a gradient and grad mode is on)."""
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in self.tensors())
 
     @property
     def symbolic_lengths(self) -> bool:
@@ -159,18 +151,13 @@ class DCMHAInputs:
         qt, kt = self.time_last_terms()
         pad = self.key_padding_mask
         return DCMHAChunk(
-            query=self.query[:, :, t0:t1],
-            key=self.key[:, :, s0:s1],
+            query=self.query[:, :, t0:t1], key=self.key[:, :, s0:s1],
             value=self.value[:, :, s0:s1] if with_values else None,
-            query_terms=None if qt is None else qt[..., t0:t1],
-            key_terms=None if kt is None else kt[..., s0:s1],
+            query_terms=None if qt is None else qt[..., t0:t1], key_terms=None if kt is None else kt[..., s0:s1],
             query_pos=torch.arange(self.query_start + t0, self.query_start + t1, device=device),
             key_pos=torch.arange(self.key_start + s0, self.key_start + s1, device=device),
-            key_padding_mask=None if pad is None else packed(pad[:, s0:s1]),
-            window_size=self.window_size,
-            masked=self.chunk_is_masked(t0, t1, s0, s1),
-            rank=self.rank,
-            num_groups=self.num_groups,
+            key_padding_mask=None if pad is None else packed(pad[:, s0:s1]), window_size=self.window_size,
+            masked=self.chunk_is_masked(t0, t1, s0, s1), rank=self.rank, num_groups=self.num_groups,
         )
 
 
@@ -179,9 +166,8 @@ def time_last(terms: torch.Tensor | None) -> torch.Tensor | None:
     return None if terms is None else terms.permute(0, 2, 3, 4, 5, 1).contiguous()
 
 
-def visible_keys(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, window_size: int | None, key_padding_mask: torch.Tensor | None
-) -> torch.Tensor:
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window_size: int | None,
+                 key_padding_mask: torch.Tensor | None) -> torch.Tensor:
     """[1 or B, 1, c, s] bool: the query at absolute position q_pos[t] sees the key at k_pos[s] (causal, within the
     window, and the key is a real token where key_padding_mask [B, s] is given)."""
     allowed = k_pos[None, :] <= q_pos[:, None]
@@ -246,6 +232,4 @@ def compile_supported(device: torch.device) -> bool:
     """Whether torch.compile's default backend can generate code for `device` here."""
     if device.type == "cpu":
         return any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
-    if device.type == "cuda":
-        return importlib.util.find_spec("triton") is not None
-    return False
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None

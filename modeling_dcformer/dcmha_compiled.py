@@ -58,15 +58,8 @@ class ComposeStep(torch.autograd.Function):
         return None, *grads, None, None, None, None
 
 
-def mark_dynamic(tensor: torch.Tensor | None, *dims: int) -> None:
-    """Mark a stage argument's batch/length dims dynamic (one graph for every chunk); heads and ranks stay static
-    so that their loops are unrolled and vectorised."""
-    if tensor is not None:
-        for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())  # a negative dim would be ignored
-
-
-# The dims of each stage's arguments that are dynamic (argument position -> dims): batch, queries and keys.
+# The dims of each stage's arguments that are dynamic (argument position -> dims): batch, queries and keys (one graph
+# for every chunk); heads and ranks stay static, so that their loops are unrolled and vectorised.
 # Scores and hidden values [B, G, M or I, c, s]; factors [B, G, 2I+1, M, c or s]; positions [c], [s]; padding [B, s].
 DYNAMIC_DIMS = {
     stage_hidden: {0: (0, -2, -1), 1: (0, -1), 2: (0, -1)},
@@ -104,7 +97,9 @@ class CompiledBackend(EagerBackend):
 
         def run(*args):
             for position, dims in dynamic.items():
-                mark_dynamic(args[position], *dims)
+                tensor = args[position]
+                for dim in dims if tensor is not None else ():
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())  # a negative dim would be ignored
             with (
                 torch.fx.experimental._config.patch(use_duck_shape=False),
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64),

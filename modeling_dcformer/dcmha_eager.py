@@ -8,6 +8,8 @@ Layouts (time last, so that the generated loops of the compiled stages vectorise
     key_terms      [B, G, 2I+1, M, S] the same for the keys, or None (query-wise composition)
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -15,9 +17,8 @@ import torch.utils.checkpoint
 from .dcmha_base import DCMHABackend, DCMHAChunk, DCMHAInputs, join_chunks, packed, visible_keys
 
 
-def compose_hidden(
-    scores: torch.Tensor, query_terms: torch.Tensor, key_terms: torch.Tensor | None, rank: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compose_hidden(scores: torch.Tensor, query_terms: torch.Tensor, key_terms: torch.Tensor | None,
+                   rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The low-rank hidden values of `compose`: hq[i,t,s] = sum_n A[n,t,s] qw1[t,i,n] and
     hk[i,t,s] = sum_n A[n,t,s] kw1[s,i,n], each [B, G, I, T, S] (hk None without key terms).
     A sum of M products (M is static): elementwise work that Inductor vectorises along the keys."""
@@ -32,13 +33,8 @@ def compose_hidden(
     return hidden_q, hidden_k
 
 
-def compose(
-    scores: torch.Tensor,
-    query_terms: torch.Tensor,
-    key_terms: torch.Tensor | None,
-    rank: int,
-    hidden: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-) -> torch.Tensor:
+def compose(scores: torch.Tensor, query_terms: torch.Tensor, key_terms: torch.Tensor | None, rank: int,
+            hidden: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Compose the heads of `scores` (A, [B, G, M, T, S]) with one slot's factors (layouts: module docstring):
 
         out[m,t,s] = A[m,t,s] (1 + qdd[t,m] + kdd[s,m])
@@ -58,27 +54,16 @@ def compose(
     return out
 
 
-def stage_hidden(
-    raw: torch.Tensor, query_terms: torch.Tensor, key_terms: torch.Tensor | None, scale: float, rank: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def stage_hidden(raw: torch.Tensor, query_terms: torch.Tensor, key_terms: torch.Tensor | None, scale: float,
+                 rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """First stage of a Compose: the hidden values of `raw * scale` ([B, G, M, c, s])."""
     return compose_hidden(raw * scale, query_terms, key_terms, rank)
 
 
-def stage_apply(
-    raw: torch.Tensor,
-    query_terms: torch.Tensor,
-    key_terms: torch.Tensor | None,
-    hidden_q: torch.Tensor,
-    hidden_k: torch.Tensor | None,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    window_size: int | None,
-    scale: float,
-    fill: float | None,
-    rank: int,
-) -> torch.Tensor:
+def stage_apply(raw: torch.Tensor, query_terms: torch.Tensor, key_terms: torch.Tensor | None, hidden_q: torch.Tensor,
+                hidden_k: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                key_padding_mask: torch.Tensor | None, window_size: int | None, scale: float, fill: float | None,
+                rank: int) -> torch.Tensor:
     """Second stage: the Compose of `raw * scale` finished, the keys a query cannot see set to `fill` (None: left as
     they are; the mask is computed from the positions, never read from memory). Returns [B, N, c, s]."""
     B, G, M, c, s = raw.shape
@@ -158,22 +143,16 @@ class EagerBackend(DCMHABackend):
             # plain causal attention over the whole call: one SDPA call, causal by its own flag
             out = F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value, is_causal=T > 1)
             return out.transpose(1, 2), None
-        q, v = inputs.query, inputs.value
         spans = inputs.chunk_spans()
         if not spans:
-            probs = q.new_zeros(B, N, 0, S, dtype=torch.float32) if output_attentions else None
-            return q.new_zeros(B, 0, N, v.shape[-1]), probs
+            probs = inputs.query.new_zeros(B, N, 0, S, dtype=torch.float32) if output_attentions else None
+            return inputs.query.new_zeros(B, 0, N, inputs.value.shape[-1]), probs
         if output_attentions:
             return self.attend_with_probabilities(inputs, spans)
-        outputs = []
-        for span in spans:
-            chunk = inputs.chunk(span)
-            if recompute:
-                step = self.compose_step
-                outputs.append(torch.utils.checkpoint.checkpoint(attend_chunk, chunk, step, use_reentrant=False))
-            else:
-                outputs.append(attend_chunk(chunk, self.compose_step))
-        return join_chunks(outputs), None
+        step, attend = self.compose_step, attend_chunk
+        if recompute:  # each chunk's intermediates are recomputed in the backward pass instead of kept
+            attend = partial(torch.utils.checkpoint.checkpoint, attend_chunk, use_reentrant=False)
+        return join_chunks([attend(inputs.chunk(span), step) for span in spans]), None
 
     def attend_with_probabilities(self, inputs: DCMHAInputs, spans: list) -> tuple[torch.Tensor, torch.Tensor]:
         """output_attentions: the probabilities of every chunk in one [B, N, T, S] tensor (0 for the keys a chunk does
@@ -187,10 +166,8 @@ class EagerBackend(DCMHABackend):
             rows.append(F.pad(probs, (s0, S - s1)))
         probs = rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
         v = inputs.value
-        outputs = [
-            torch.matmul(probs[:, :, t0:t1, s0:s1].to(v.dtype), v[:, :, s0:s1]).transpose(1, 2)
-            for t0, t1, s0, s1 in spans
-        ]
+        outputs = [torch.matmul(probs[:, :, t0:t1, s0:s1].to(v.dtype), v[:, :, s0:s1]).transpose(1, 2)
+                   for t0, t1, s0, s1 in spans]
         return join_chunks(outputs), probs
 
 

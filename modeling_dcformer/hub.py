@@ -79,6 +79,7 @@ def finish_directory(model, directory: Path, *, remote_code: bool, card: dict | 
 def save_pretrained(model, save_directory, *args, remote_code: bool = True, model_card: bool | dict = True,
                     push_to_hub: bool = False, repo_id: str | None = None, **kwargs) -> None:
     """What `DCFormerPreTrainedModel.save_pretrained` does (module docstring; docs/implementations.md)."""
+    kwargs.setdefault("save_original_format", False)  # else transformers reverts the released keys' renaming
     push = getattr(model, "_dcformer_push", None)  # inside `push_to_hub`: its options
     if push is not None:
         remote_code, model_card = push["remote_code"], push["card"]
@@ -117,25 +118,27 @@ def save_pretrained(model, save_directory, *args, remote_code: bool = True, mode
 def push_to_hub(model, repo_id: str, *, remote_code: bool = True, overwrite_model_card: bool = False,
                 license: str | None = "apache-2.0", base_model: str | None = None, eval_results=None, **kwargs):
     """transformers' `push_to_hub` (`kwargs`: its options) saving with `remote_code` and a card with `license`,
-    `base_model`, `eval_results` (`upload_pushed`). Returns the `CommitInfo`; a failure is one `HubUploadError`."""
+    `base_model`, `eval_results`; its upload step (`_upload_modified_files`, after it wrote the Hub's card over ours) is
+    `upload_pushed` for this call. Returns the `CommitInfo`; a failure is one `HubUploadError`."""
     if eval_results is not None:
         read_eval_results(eval_results)  # malformed results fail before anything is created on the Hub
     check_repo_id(repo_id)
     card = dict(license=license, base_model=base_model, eval_results=eval_results, tags=kwargs.get("tags"))
     model._dcformer_push = dict(remote_code=remote_code, overwrite=overwrite_model_card, card=card)
+    model._upload_modified_files = lambda folder, repo_id, *args, **kw: upload_pushed(model, folder, repo_id, **kw)
     try:
         return PreTrainedModel.push_to_hub(model, repo_id, **kwargs)
     except Exception as err:
         raise HubUploadError.of(err, repo_id, private=kwargs.get("private")) from None
     finally:
-        del model._dcformer_push
+        del model._dcformer_push, model._upload_modified_files
 
 
 def upload_pushed(model, folder, repo_id: str, *, files_timestamps=None, **upload_kwargs):
     """The upload step of `push_to_hub`, after transformers wrote the Hub's card (tagged) or a blank one into the
     saved `folder`: DCFormer's card goes back (named after the full `repo_id`) unless the Hub's card is the user's
     (kept, with transformers' tags added) and `overwrite_model_card` is off; then `upload_folder`."""
-    push = getattr(model, "_dcformer_push", None) or dict(overwrite=False, card={})
+    push = model._dcformer_push
     readme = Path(folder) / "README.md"
     hubs = readme.read_text(encoding="utf-8") if readme.is_file() else ""
     if push["overwrite"] or is_generated_card(hubs) or BLANK_CARD in hubs:

@@ -73,11 +73,9 @@ def quantization_summary(config) -> str | None:
     skipped = q.get("llm_int8_skip_modules") or q.get("modules_to_not_convert")
     kept = f"; also kept unquantized: {', '.join(map(str, skipped))}" if skipped else ""
     library = {"bitsandbytes": "bitsandbytes", "torchao": "torchao"}.get(method, "the quantization library")
-    return (
-        f"Quantized with {how}: the linear layers' weights are stored quantized; the norms and DCMHA's dynamic-weight "
-        f"generator (dw1, qkw, dd: raw parameters, not linear layers) stay in floating point{kept}. Loading it needs "
-        f"{library} installed."
-    )
+    return (f"Quantized with {how}: the linear layers' weights are stored quantized; the norms and DCMHA's "
+            f"dynamic-weight generator (dw1, qkw, dd: raw parameters, not linear layers) stay in floating point{kept}. "
+            f"Loading it needs {library} installed.")
 
 
 def _source_link(config, base_model: str | None) -> str | None:
@@ -177,10 +175,8 @@ def card_options(model, model_card: bool | dict = True) -> dict | None:
     elif isinstance(kept, dict) and fingerprint is not None and kept.get("weights") == fingerprint:
         options["eval_results"] = read_eval_results(kept)
     else:
-        logger.warning(
-            f"the lm-eval results in the config ({CONFIG_EVAL_KEY}) were measured on other weights than the ones "
-            "saved now (the model changed since): left out of the model card and of the saved config"
-        )
+        logger.warning(f"the lm-eval results in the config ({CONFIG_EVAL_KEY}) were measured on other weights than the "
+                       "ones saved now (the model changed since): left out of the model card and of the saved config")
         delattr(model.config, CONFIG_EVAL_KEY)
     return options
 

@@ -48,9 +48,6 @@ def cache_argument(cache: Cache | None, past_key_values: Cache | None) -> Cache 
 DW_RMS_EPS = 1e-6  # eps of the RMS normalisation of the dynamic w1 factors (spec, step 5)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Norms, rotary embedding, MLP
-# ----------------------------------------------------------------------------------------------------------------
 class DCFormerRMSNorm(nn.Module):
     """RMSNorm with a learned scale, computed in fp32."""
 
@@ -60,18 +57,15 @@ class DCFormerRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x).to(dtype)
+        y = x.float()
+        return (self.weight.float() * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
 class DCFormerLayerNorm(nn.LayerNorm):
     """LayerNorm computed in fp32 whatever the parameter dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.float()
-        bias = None if self.bias is None else self.bias.float()
+        weight, bias = self.weight.float(), self.bias.float()  # always there: built with elementwise_affine and bias
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
@@ -90,9 +84,8 @@ class DCFormerRotaryEmbedding(nn.Module):
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        default = self.rope_type == "default"
+        rope_init_fn = self.compute_default_rope_parameters if default else ROPE_INIT_FUNCTIONS[self.rope_type]
         inv_freq, self.attention_scaling = rope_init_fn(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
@@ -101,8 +94,8 @@ class DCFormerRotaryEmbedding(nn.Module):
     def compute_default_rope_parameters(config: DCFormerConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
         base = config.rope_parameters["rope_theta"]
         dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
-        return inv_freq, 1.0
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+        return 1.0 / (base**exponents), 1.0
 
     @torch.no_grad()
     @dynamic_rope_update
@@ -112,11 +105,6 @@ class DCFormerRotaryEmbedding(nn.Module):
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling  # fp32, [B, T, rot]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, N, T, Dh]; cos/sin: [B, T, rot] (fp32). Rotates the first `rot` dims, in fp32."""
     rot = cos.shape[-1]
@@ -124,7 +112,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return x
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x_rot, x_pass = x[..., :rot].float(), x[..., rot:]
-    x_rot = x_rot * cos + rotate_half(x_rot) * sin
+    half = rot // 2  # "rotate half": (x1, x2) -> (-x2, x1)
+    x_rot = x_rot * cos + torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1) * sin
     return torch.cat((x_rot.to(x.dtype), x_pass), dim=-1)
 
 
@@ -146,9 +135,6 @@ class DCFormerMLP(nn.Module):
         return self.down_proj(self.act_fn(self.up_proj(x)))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# DCMHA
-# ----------------------------------------------------------------------------------------------------------------
 class DynamicWeightProjection(nn.Module):
     """Generates the composition weights of every position from the attention input x (spec, step 5).
 
@@ -174,11 +160,8 @@ class DynamicWeightProjection(nn.Module):
             return {"dw1": std, "qkw": std, "dd": std}
         D, M = config.hidden_size, config.heads_per_group
         K, I = config.dynamic_hidden_size, config.dynamic_rank
-        return {
-            "dw1": math.sqrt(2 / (D + K)),
-            "qkw": math.sqrt(1 / K) * 2 / (M + I) * 0.01,
-            "dd": math.sqrt(2 / (D + M)) * 0.005,
-        }
+        return {"dw1": math.sqrt(2 / (D + K)), "qkw": math.sqrt(1 / K) * 2 / (M + I) * 0.01,
+                "dd": math.sqrt(2 / (D + M)) * 0.005}
 
     def input_products(self, x: torch.Tensor, kept: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [BT, D] times dw1 and dd: ([BT, G*C*K], [BT, G*C*M]). Half precision: one GEMM with dw1 and dd as one
@@ -233,15 +216,9 @@ class DCFormerAttention(nn.Module):
         if config.use_dcmha:
             self.dyn_w_proj = DynamicWeightProjection(config)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        query_start: int = 0,
-        padding_mask: torch.Tensor | None = None,
-        cache: "DCFormerCache | None" = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                query_start: int = 0, padding_mask: torch.Tensor | None = None, cache: DCFormerCache | None = None,
+                output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, D = hidden_states.shape
         N, Dh = self.num_heads, self.head_dim
         qkv = self.qkv_proj(hidden_states).view(B, T, 3, N, Dh)
@@ -266,30 +243,15 @@ class DCFormerAttention(nn.Module):
 
         key_start = query_start
         if cache is not None:
-            key, value, key_terms, key_start = cache.update_dcmha(
-                key, value, key_terms, self.layer_idx, self.window_size
-            )
+            key, value, key_terms, key_start = cache.update_dcmha(key, value, key_terms, self.layer_idx)
         key_padding_mask = None if padding_mask is None else padding_mask[:, key_start : key_start + key.shape[2]]
-        inputs = DCMHAInputs(
-            query=query,
-            key=key,
-            value=value,
-            query_terms=query_terms,
-            key_terms=key_terms,
-            query_start=query_start,
-            key_start=key_start,
-            key_padding_mask=key_padding_mask,
-            window_size=self.window_size,
-            rank=self.config.dynamic_rank,
-            num_groups=self.config.num_head_groups,
-            chunk_size=self.config.attention_chunk_size,
-        )
-        out, probs = dcmha_attention(
-            inputs,
-            self.config.dcmha_implementation,
-            output_attentions=output_attentions,
-            recompute=self.config.attention_recompute and self.training and torch.is_grad_enabled(),
-        )
+        inputs = DCMHAInputs(query=query, key=key, value=value, query_terms=query_terms, key_terms=key_terms,
+                             query_start=query_start, key_start=key_start, key_padding_mask=key_padding_mask,
+                             window_size=self.window_size, rank=self.config.dynamic_rank,
+                             num_groups=self.config.num_head_groups, chunk_size=self.config.attention_chunk_size)
+        recompute = self.config.attention_recompute and self.training and torch.is_grad_enabled()
+        out, probs = dcmha_attention(inputs, self.config.dcmha_implementation, output_attentions=output_attentions,
+                                     recompute=recompute)
         return self.o_proj(out.reshape(B, T, D)), probs
 
 
@@ -302,22 +264,12 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
         self.self_attn = DCFormerAttention(config, layer_idx)
         self.mlp = DCFormerMLP(config)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        query_start: int = 0,
-        padding_mask: torch.Tensor | None = None,
-        cache: "DCFormerCache | None" = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                query_start: int = 0, padding_mask: torch.Tensor | None = None, cache: DCFormerCache | None = None,
+                output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn_output, probs = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            query_start=query_start,
-            padding_mask=padding_mask,
-            cache=cache,
-            output_attentions=output_attentions,
+            self.input_layernorm(hidden_states), position_embeddings=position_embeddings, query_start=query_start,
+            padding_mask=padding_mask, cache=cache, output_attentions=output_attentions,
         )
         if self.use_parallel_residual:
             hidden_states = hidden_states + attn_output + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -327,9 +279,6 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, probs
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Models
-# ----------------------------------------------------------------------------------------------------------------
 def installed(module: str):
     """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, `loading`'s reader lock, the
     released layout), or None where only the remote code is here or the installed version has no such file (a
@@ -359,9 +308,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
     def _can_set_attn_implementation(cls) -> bool:
         return True  # the DCMHA implementation is read from the config at every call
 
-    def _check_and_adjust_attn_implementation(
-        self, attn_implementation: str | dict | None, is_init_check: bool = False, allow_all_kernels: bool = False
-    ) -> str:
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | dict | None, is_init_check: bool = False,
+                                              allow_all_kernels: bool = False) -> str:
         """transformers' check at init: a DCMHA implementation (None keeps the config's); transformers' own
         functions are refused here, when a model is built (a config only records the request)."""
         if attn_implementation is not None:
@@ -395,9 +343,8 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         if (loading := installed("loading")) is not None:  # the reader lock and the package's diagnoses
             load = partial(loading.from_pretrained, load)
         model, info = load(source, *args, **kwargs)
-        problem = None if want_info else describe_mismatch(
-            model.config, source, unexpected=info["unexpected_keys"], missing=info["missing_keys"]
-        )
+        problem = None if want_info else describe_mismatch(model.config, source, unexpected=info["unexpected_keys"],
+                                                           missing=info["missing_keys"])
         if problem:
             raise ValueError(problem)
         return (model, info) if want_info else model
@@ -419,10 +366,9 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         except RuntimeError:
             if load_config.ignore_mismatched_sizes or not loading_info.mismatched_keys:
                 raise
-            problem = describe_mismatch(
-                model.config, load_config.pretrained_model_name_or_path, unexpected=loading_info.unexpected_keys,
-                missing=loading_info.missing_keys, mismatched=loading_info.mismatched_keys,
-            )
+            problem = describe_mismatch(model.config, load_config.pretrained_model_name_or_path,
+                                        unexpected=loading_info.unexpected_keys, missing=loading_info.missing_keys,
+                                        mismatched=loading_info.mismatched_keys)
             if problem is None:
                 raise
             raise ValueError(problem) from None
@@ -432,7 +378,6 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.save_pretrained` in our layout. With the package installed (`modeling_dcformer.hub`,
         docs/hub.md): written beside and swapped in whole, with the remote code (`remote_code`) and a model card
         (`model_card`: True, False or a dict of card options); as remote code without it: transformers' own."""
-        kwargs.setdefault("save_original_format", False)  # else transformers reverts the released keys' renaming
         hub = installed("hub")
         if hub is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
@@ -445,27 +390,11 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         hub = installed("hub")
         return super().push_to_hub(repo_id, **kwargs) if hub is None else hub.push_to_hub(self, repo_id, **kwargs)
 
-    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
-        """The upload step of transformers' `push_to_hub`, which has just written the Hub's card (or a blank one)
-        over the saved one: `hub.upload_pushed` puts DCFormer's card back unless the Hub's is the user's."""
-        hub = installed("hub")
-        if hub is None:
-            return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
-        return hub.upload_pushed(self, working_dir, repo_id, **kwargs)
-
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, DynamicWeightProjection):
             for name, std in module.init_stds(self.config).items():
                 init.normal_(getattr(module, name), mean=0.0, std=std)
-
-
-def positions_from_padding(attention_mask: torch.Tensor, past_length: int, length: int) -> torch.Tensor:
-    """Position ids of the last `length` tokens from a 2D padding mask covering past and present tokens:
-    real tokens are numbered 0, 1, ... in each row whatever the padding before them."""
-    positions = attention_mask.long().cumsum(-1) - 1
-    positions = positions.clamp(min=0)
-    return positions[:, past_length : past_length + length]
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
@@ -474,34 +403,23 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     torch.compile and torch.export, whose graphs cannot branch on values."""
     if input_ids.numel() == 0:
         return
-    low, high = torch.aminmax(input_ids)
-    low, high = int(low), int(high)
+    low, high = map(int, torch.aminmax(input_ids))
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise ValueError(
-            f"input_ids contains the token id {bad}, outside the model's vocabulary of {vocab_size} tokens "
-            f"(valid ids: 0..{vocab_size - 1}); was the text encoded with another model's tokenizer?"
-        )
+        raise ValueError(f"input_ids contains the token id {bad}, outside the model's vocabulary of {vocab_size} "
+                         f"tokens (valid ids: 0..{vocab_size - 1}); was the text encoded with another model's "
+                         "tokenizer?")
 
 
 class DCFormerModel(DCFormerPreTrainedModel):
     def __init__(self, config: DCFormerConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [DCFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([DCFormerDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = make_norm(config)
         self.rotary_emb = DCFormerRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -513,9 +431,8 @@ class DCFormerModel(DCFormerPreTrainedModel):
         """`cache` is transformers' name for the cache from 5.24 on; `past_key_values`, the earlier one, is accepted."""
         cache = cache_argument(cache, past_key_values)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if (input_ids is None) == (inputs_embeds is None):
@@ -538,23 +455,21 @@ class DCFormerModel(DCFormerPreTrainedModel):
         padding_mask = None
         if attention_mask is not None:
             if attention_mask.dim() != 2:
-                raise ValueError(
-                    f"attention_mask must be a 2D [batch, past + new tokens] padding mask, got shape "
-                    f"{tuple(attention_mask.shape)}"
-                )
+                raise ValueError(f"attention_mask must be a 2D [batch, past + new tokens] padding mask, got shape "
+                                 f"{tuple(attention_mask.shape)}")
             if attention_mask.shape != (B, past_length + T):
-                raise ValueError(
-                    f"attention_mask has shape {tuple(attention_mask.shape)} but the batch has {B} rows of "
-                    f"{past_length} cached + {T} new tokens"
-                )
+                shape = tuple(attention_mask.shape)
+                raise ValueError(f"attention_mask has shape {shape} but the batch has {B} rows of {past_length} "
+                                 f"cached + {T} new tokens")
             padding_mask = attention_mask.to(device=device, dtype=torch.bool)
             # a mask that pads nothing is dropped (no masked_fill per chunk), but only when running eagerly: under
             # torch.compile and torch.export a branch on its values cannot be traced, and the mask is applied
             if not torch.compiler.is_compiling() and bool(padding_mask.all()):
                 padding_mask = None
         if position_ids is None:
-            if attention_mask is not None:
-                position_ids = positions_from_padding(attention_mask.to(device), past_length, T)
+            if attention_mask is not None:  # real tokens are numbered 0, 1, ... in each row, whatever the padding
+                positions = (attention_mask.to(device).long().cumsum(-1) - 1).clamp(min=0)
+                position_ids = positions[:, past_length : past_length + T]
             else:
                 position_ids = torch.arange(past_length, past_length + T, device=device).unsqueeze(0).expand(B, T)
 
@@ -565,20 +480,17 @@ class DCFormerModel(DCFormerPreTrainedModel):
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, probs = layer(
-                hidden_states, position_embeddings=position_embeddings, query_start=past_length,
-                padding_mask=padding_mask, cache=cache, output_attentions=output_attentions,
-            )
+            hidden_states, probs = layer(hidden_states, position_embeddings=position_embeddings,
+                                         query_start=past_length, padding_mask=padding_mask, cache=cache,
+                                         output_attentions=output_attentions)
             if output_attentions:
                 all_attentions += (probs,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
 
-        output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None},
-            hidden_states=all_hidden_states, attentions=all_attentions,
-        )
+        output = BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None},
+                                         hidden_states=all_hidden_states, attentions=all_attentions)
         return output if return_dict else output.to_tuple()
 
 
@@ -596,17 +508,15 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # a DynamicCache cannot hold the keys' composition terms
 
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs, generation_mode, batch_size: int, max_cache_length: int, *args, **kwargs
-    ):
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size: int,
+                                      max_cache_length: int, *args, **kwargs):
         """`generate()` starts from a `DCFormerCache` (keys, values and the keys' composition factors): growing, or
         with `cache_implementation="static"` in buffers of `max_cache_len` (else the generation's max length)
         tokens."""
         implementation = generation_config.cache_implementation
         check_cache_implementation(implementation)
-        given = model_kwargs.get(CACHE_NAME)
-        if given is not None and check_cache(given) is None:  # an empty DynamicCache: built below as ours
-            model_kwargs[CACHE_NAME] = None
+        if model_kwargs.get(CACHE_NAME) is not None and check_cache(model_kwargs[CACHE_NAME]) is None:
+            model_kwargs[CACHE_NAME] = None  # an empty DynamicCache: built below as ours
         if model_kwargs.get(CACHE_NAME) is not None:
             if implementation is not None:
                 raise ValueError(f"pass either cache_implementation or {CACHE_NAME} to generate(), not both")
@@ -625,33 +535,23 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
             model_kwargs[CACHE_NAME].activate_past_recording()
 
     def _prepare_generation_config(self, generation_config, **kwargs):
-        """transformers' own, after refusing a `cache_implementation` DCFormer does not support (given to
-        `generate()` or in the generation config passed to it): transformers would turn "hybrid" into its default
-        without a word."""
+        """transformers' own, after refusing a `cache_implementation` DCFormer does not support (given to `generate()`
+        or in its generation config): transformers would turn "hybrid" into its default without a word."""
         check_cache_implementation(kwargs.get("cache_implementation"))
-        if generation_config is not None:
-            check_cache_implementation(generation_config.cache_implementation)
+        check_cache_implementation(getattr(generation_config, "cache_implementation", None))
         return super()._prepare_generation_config(generation_config, **kwargs)
 
     def _prepare_model_inputs(self, *args, **kwargs):
         """transformers' own, then a clear error for an empty prompt (`generate()` would fail later with an
         IndexError): there is no position to predict the next token from."""
         inputs, input_name, model_kwargs = super()._prepare_model_inputs(*args, **kwargs)
-        if input_name in ("input_ids", "inputs_embeds") and inputs is not None and inputs.dim() >= 2:
-            if inputs.shape[1] == 0:
-                bos = self.generation_config.bos_token_id
-                hint = f" (e.g. the BOS token, id {bos})" if bos is not None else ""
-                raise ValueError(
-                    f"generate() got an empty prompt: {input_name} of shape {tuple(inputs.shape)}; give at least "
-                    f"one token per row{hint}, or no {input_name} at all to start from the BOS token"
-                )
+        empty = inputs is not None and inputs.dim() >= 2 and inputs.shape[1] == 0
+        if input_name in ("input_ids", "inputs_embeds") and empty:
+            bos = self.generation_config.bos_token_id
+            hint = f" (e.g. the BOS token, id {bos})" if bos is not None else ""
+            raise ValueError(f"generate() got an empty prompt: {input_name} of shape {tuple(inputs.shape)}; give at "
+                             f"least one token per row{hint}, or no {input_name} at all to start from the BOS token")
         return inputs, input_name, model_kwargs
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
 
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -664,21 +564,17 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         """`cache` is transformers' name for the cache from 5.24 on; `past_key_values`, the earlier one, is accepted."""
         cache = cache_argument(cache, past_key_values)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
-        )
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+                             output_hidden_states=output_hidden_states, return_dict=True)
         hidden_states = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, slice_indices, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = CausalLMOutputWithPast(
-            loss=loss, logits=logits, **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
-            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-        )
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
+                                        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return output if return_dict else output.to_tuple()
 
 

@@ -419,6 +419,7 @@ def test_push_to_hub_uploads_weights_config_code_and_card(fake_hub):
     assert card.data.eval_results is None and "| piqa_local | acc | 0.6250 | 0.1250 |" in card.text  # a smoke run
     assert 'from_pretrained("me/tiny-dc", trust_remote_code=True)' in card.text
     assert not upload["folder"].exists()  # a temporary directory
+    assert not {"_upload_modified_files", "_dcformer_push"} & set(vars(model))  # the push's upload step: its own
 
 
 def test_push_keeps_a_users_card_on_the_hub(fake_hub):
@@ -517,14 +518,14 @@ def test_released_converter_pushes_with_base_model(fake_hub, tmp_path, capsys, m
 
 
 # 3,440 before issue 27, 2,817 before the released format and the saving helpers left it, 2,310 before the loading
-# additions (loading.py), the presets and the weight-file resolver left it; the issue's target, 2,000, is not met: what
-# is left is the model, config, cache, DCMHA interface and backends, and the load-time checks
-REMOTE_CODE_LINES = 2215  # a no-growth guard on the way to the target
+# additions (loading.py), the presets and the weight-file resolver left it, 2,207 before the push_to_hub upload step,
+# the CPU kernel's input helpers and code transformers already has left it; the issue's target is 2,000
+REMOTE_CODE_LINES = 1985  # what is left: the model, config, cache, DCMHA interface and backends, load-time checks
 
 
 def test_saved_python_is_only_what_computes(saved):
     """Issue 27 item 1: the `*.py` of a save hold no ctypes and no chdir, and none of the saving, card or upload
-    code (the line count is reported: the target is 2,000; the model, config, cache and DCMHA files make it up).
+    code, in at most 2,000 lines (the issue's target; the model, config, cache and DCMHA files make it up).
     The model file names the installed package's saving code only in a guarded import and its docstring."""
     for directory in saved.values():
         files = sorted(directory.glob("*.py"))

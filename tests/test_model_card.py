@@ -355,3 +355,38 @@ def test_one_atomic_file_write_for_cards_and_reports(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         atomic_dir.write_file(path, "second")
     assert path.read_bytes() == "first \u00fc\r\n".encode() and [p.name for p in tmp_path.iterdir()] == ["README.md"]
+
+
+def test_report_figures_use_the_same_atomic_write(tmp_path, monkeypatch):
+    """The report's figures are written by `atomic_dir.write_file` too (they had their own `mkstemp` swap, whose file
+    kept mode 0600): a whole PNG with the umask's mode; a failed rename leaves the old figure and nothing beside it."""
+    import stat
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from modeling_dcformer import atomic_dir
+    from modeling_dcformer.experiments import report
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = tmp_path / "curves.png"
+    umask = os.umask(0o022)
+    try:
+        report.save_figure(fig, path)
+    finally:
+        os.umask(umask)
+    image = path.read_bytes()
+    assert image.startswith(b"\x89PNG") and stat.S_IMODE(path.stat().st_mode) == 0o644
+
+    def disk_full(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(atomic_dir.os, "replace", disk_full)
+    ax.plot([0, 1], [0, 1])
+    with pytest.raises(OSError, match="disk full"):
+        report.save_figure(fig, path)
+    plt.close(fig)
+    assert path.read_bytes() == image and [p.name for p in tmp_path.iterdir()] == ["curves.png"]

@@ -62,7 +62,7 @@ def test_failed_upload_is_one_line_with_the_retry_command(tool, tmp_path, capsys
     assert code != 0 and code != 2, (code, err)  # 2 is "nothing converted"; this one says the output is there
     assert len(lines) == 1 and "Traceback" not in err, err
     line = lines[0]
-    assert f"complete in {dst.resolve()}" in line and REPO in line
+    assert f"saved the model to {dst.resolve()}" in line and REPO in line  # hub.HubUploadError's own text
     assert "ConnectError: [Errno -3] Temporary failure in name resolution" in line and "25 more" not in line
     assert f"hf upload {REPO} '{dst.resolve()}' --private" in line
     assert f"Converted {src}" in out

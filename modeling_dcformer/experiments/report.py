@@ -5,11 +5,10 @@ from `results.json` alone (`report_only`).
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 import statistics
-import tempfile
 from pathlib import Path
 
 from ..atomic_dir import write_file as write_atomic  # the package's one atomic file write
@@ -23,15 +22,10 @@ AXIS_LABELS = {"tokens": "training tokens", "flops": "training FLOPs", "seconds"
 
 
 def save_figure(fig, path: Path) -> None:
-    """`fig.savefig` beside `path`, then swapped in."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """`fig.savefig` in memory, then written beside `path` and swapped in (`atomic_dir.write_file`)."""
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=path.suffix.lstrip("."))
+    write_atomic(path, image.getvalue())
 
 
 def step_axes(report: dict, run: dict) -> dict:
