@@ -44,8 +44,7 @@ class ComposeStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, stages, raw, query_terms, key_terms, mask, scale, fill, rank):
         hidden_fn, apply_fn, ctx.backward_fn = stages
-        # detached (free here: no graph is recorded inside forward), so that training and evaluation share the
-        # graphs: torch.compile guards on requires_grad and would otherwise trace every stage twice
+        # detached (free in forward): the graphs guard on requires_grad, so training and evaluation now share them
         raw, query_terms, key_terms = (None if t is None else t.detach() for t in (raw, query_terms, key_terms))
         ctx.save_for_backward(raw, query_terms, key_terms)
         ctx.args = (*mask, scale, fill, rank)
