@@ -4,6 +4,7 @@ matters, comparisons, and the common checks of a DCMHA implementation against th
 import fnmatch
 import json
 import math
+import re
 import types
 from pathlib import Path
 
@@ -272,3 +273,21 @@ def fake_hub_cards(monkeypatch, calls, tmp_path):
 
     monkeypatch.setattr(repocard, "hf_hub_download", hf_hub_download)
     return calls
+
+
+def help_options(text: str) -> set[str]:
+    """The `--flags` a command's `--help` text names."""
+    return set(re.findall(r"--[\w-]+", text))
+
+
+def in_process_help_options(main, capsys) -> set[str]:
+    """The `--flags` of `main(["--help"])` run in this process (it exits 0 after printing the help)."""
+    import pytest
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    helped = capsys.readouterr().out
+    assert helped.startswith("usage:"), helped[:300]
+    return help_options(helped)

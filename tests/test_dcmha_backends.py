@@ -69,6 +69,7 @@ def backend(request):
 # still has each backend's logits, gradients, probabilities and decoding: Triton's decode and gradient steps in its
 # CPU interpreter (minutes), and "compiled" on one options set fewer (each set traces its own graphs).
 EXPENSIVE = pytest.mark.expensive
+TRITON_EXPENSIVE = ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)]  # gradients, decoding
 
 
 OPTIONS = {
@@ -101,7 +102,7 @@ def test_logits_match_eager_and_oracle(backend, options):
     assert_rows_match_oracle(model, logits, input_ids, mask)
 
 
-@pytest.mark.parametrize("backend", ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)])
+@pytest.mark.parametrize("backend", TRITON_EXPENSIVE)
 def test_gradients_match_eager(backend):
     """A training step (local and global layers, padding on both sides, chunks recomputed in the backward pass):
     logits and every parameter's gradient against "eager"; a backend without gradients says so."""
@@ -151,7 +152,7 @@ def test_probabilities_match_eager(backend):
         assert_close(a, b)
 
 
-@pytest.mark.parametrize("backend", ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)])
+@pytest.mark.parametrize("backend", TRITON_EXPENSIVE)
 def test_decoding_matches_full_forward(backend):
     backend = usable(backend)
     config = make_config(dcmha_implementation=backend, **SHARED)
