@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import TrainerCallback
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, TrainerCallback, TrainingArguments
 
-from modeling_dcformer.experiments import study
+from modeling_dcformer.experiments import runner, study
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -158,3 +159,29 @@ def test_plan_brackets_each_best_rate_and_waits_for_it():
     results[rid(3e-4, 600)], results[rid(1e-4, 600)] = fake(4.0), fake(4.0)  # a tie: the lower rate
     plan = study.build_plan(spec, results)
     assert [(e["lr"], e["seed"]) for e in plan if e["steps"] == 600] == [(3e-4, 0), (1e-4, 0), (1e-4, 1)]
+
+
+def test_the_transformer_baseline_resumes_with_every_weight(tmp_path):
+    """transformers 5 saves GPT-NeoX's `lm_head` as `embed_out`, and Trainer's own resume loaded the file under its
+    saved names: the Transformer resumed with its output layer as initialised (a warning only). The study's trainer
+    resumes it with every saved weight."""
+    config = GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32, tie_word_embeddings=False)  # fmt: skip
+    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    def trainer(model):
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, save_steps=2, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, report_to=[], use_cpu=True, disable_tqdm=True)  # fmt: skip
+        return runner.MultiTaskTrainer(model=model, args=args, train_dataset=data, task_metrics={})
+
+    torch.manual_seed(0)
+    trained = GPTNeoXForCausalLM(config)
+    trainer(trained).train()
+    torch.manual_seed(1)
+    resumed = GPTNeoXForCausalLM(config)
+    assert not torch.equal(resumed.lm_head.weight, trained.lm_head.weight)
+    trainer(resumed).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # at max_steps: loads, trains none
+    expected = trained.state_dict()
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name

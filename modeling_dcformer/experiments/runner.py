@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+from safetensors import safe_open
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from ..modeling_dcformer import DynamicWeightProjection
 from .ablation import SLOT_NAMES, StaticComposition, build_model
@@ -329,6 +331,25 @@ class MultiTaskTrainer(Trainer):
             task = eval_dataset if isinstance(eval_dataset, str) else metric_key_prefix.rsplit("_", 1)[-1]
             self.compute_metrics = self._task_metrics.get(task)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Trainer's resume loads the file's tensors under their saved names, but transformers 5 saves some models
+        under other names than their modules' (GPT-NeoX's `lm_head` is written as `embed_out`): the Transformer
+        baseline resumed with its output layer as initialised, and only a warning. Where the names differ, the
+        weights come through `from_pretrained` (which renames them) and every tensor is required."""
+        model = self.model if model is None else model
+        weights = Path(resume_from_checkpoint) / SAFE_WEIGHTS_NAME
+        if isinstance(model, PreTrainedModel) and weights.is_file():
+            with safe_open(weights, "pt") as f:
+                saved_names = set(f.keys())
+            every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+            tied = every - dict(model.named_parameters()).keys()  # saved once, under the other name
+            if set(model.state_dict()) - tied - saved_names:
+                dtype = next(model.parameters()).dtype
+                saved = type(model).from_pretrained(resume_from_checkpoint, config=model.config, dtype=dtype)
+                model.load_state_dict(saved.state_dict(), strict=True)
+                return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
 
 # ----------------------------------------------------------------------------------------------------------------
