@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A training step of DCFormer against the Transformer of `examples/compare_small.py --task lm`, on CPU.
+"""A training step of DCFormer against the Transformer of `examples/compare_small.py --task lm`, on CPU or CUDA.
 
 The shapes are compare_small's language-modelling study (docs/evidence.md): 3 layers, hidden 128/256/512 with 4/8/8
 heads, MLP 4x hidden, vocabulary 2048, batch 16 x 128 tokens, the Pythia body (LayerNorm, parallel residual, GELU,
@@ -15,6 +15,7 @@ medians and DCFormer/Transformer (the time ratio: 2.0 means DCFormer trains at h
 
     python benchmarks/bench_train_step.py                    # the three sizes
     python benchmarks/bench_train_step.py --sizes 128/4 --profile
+    python benchmarks/bench_train_step.py --device cuda     # fp32 on the GPU (kernels waited for around each step)
 """
 
 from __future__ import annotations
@@ -77,22 +78,44 @@ def make_step(model: torch.nn.Module, ids: torch.Tensor):
     return step
 
 
-def timed(step) -> float:
+def timed(step, device: torch.device | None = None) -> float:
+    """Seconds of one call of `step`; on CUDA the queued kernels are waited for before and after."""
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     step()
+    if cuda:
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
-def top_ops(step, rows: int) -> str:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+def top_ops(step, rows: int, device: torch.device | None = None) -> str:
+    """torch.profiler's top ops of one call of `step` by self time: CPU time on a CPU, kernel time on CUDA."""
+    cuda = device is not None and device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         step()
+        if cuda:
+            torch.cuda.synchronize(device)
     events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events) or 1
-    lines = [f"    total {total / 1e3:.1f} ms (self CPU time of all ops)"]
-    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:rows]:
-        lines.append(f"    {e.key:<44} {e.count:>6} calls {e.self_cpu_time_total / 1e3:>9.2f} ms "
-                     f"{100 * e.self_cpu_time_total / total:>5.1f}%")
+
+    def self_time(e) -> float:
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    total = sum(self_time(e) for e in events) or 1
+    lines = [f"    total {total / 1e3:.1f} ms (self {'CUDA' if cuda else 'CPU'} time of all ops)"]
+    for e in sorted(events, key=lambda e: -self_time(e))[:rows]:
+        lines.append(f"    {e.key[:60]:<60} {e.count:>6} calls {self_time(e) / 1e3:>9.2f} ms "
+                     f"{100 * self_time(e) / total:>5.1f}%")
     return "\n".join(lines)
+
+
+def where(device: torch.device, threads: int) -> str:
+    """The machine a benchmark ran on, for its header line."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"CPU, {threads} thread(s)"
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -114,25 +137,28 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     p.add_argument("--dc-overrides", default="", help="DCFormerConfig options, e.g. attention_recompute=false")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--rows", type=int, default=20)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     overrides = {}
     for item in filter(None, args.dc_overrides.split(",")):
         key, _, value = item.partition("=")
         overrides[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     print(f"training step (fwd+bwd+AdamW), batch {args.batch_size} x {args.block_size} tokens, {LAYERS} layers, "
-          f"vocab {VOCAB}, {args.threads} thread(s), median of {args.repeats} interleaved (shared machine: noisy)")
+          f"vocab {VOCAB}, {where(device, args.threads)}, median of {args.repeats} interleaved (shared machine: noisy)")
     print(f"{'size':>8} {'Transformer ms':>15} {'DCFormer ms':>12} {'DC/T':>6}")
     for hidden, heads in args.sizes:
         neox_cfg, dc_cfg = configs(hidden, heads, args.block_size, overrides)
         torch.manual_seed(0)
         ids = torch.randint(0, VOCAB, (args.batch_size, args.block_size), generator=torch.Generator().manual_seed(1))
+        ids = ids.to(device)
         steps = {
-            "transformer": make_step(GPTNeoXForCausalLM(neox_cfg), ids),
-            "dcformer": make_step(DCFormerForCausalLM(dc_cfg), ids),
+            "transformer": make_step(GPTNeoXForCausalLM(neox_cfg).to(device), ids),
+            "dcformer": make_step(DCFormerForCausalLM(dc_cfg).to(device), ids),
         }
         for _ in range(args.warmup):
             for step in steps.values():
@@ -140,12 +166,12 @@ def main(argv=None) -> int:
         times = {kind: [] for kind in steps}
         for r in range(args.repeats):
             for kind in (("transformer", "dcformer") if r % 2 == 0 else ("dcformer", "transformer")):
-                times[kind].append(timed(steps[kind]))
+                times[kind].append(timed(steps[kind], device))
         t, d = statistics.median(times["transformer"]), statistics.median(times["dcformer"])
         print(f"{hidden:>4}/{heads:<3} {t * 1e3:>15.1f} {d * 1e3:>12.1f} {d / t:>6.2f}", flush=True)
         if args.profile:
             for kind, step in steps.items():
-                print(f"  profile of one {kind} step:\n{top_ops(step, args.rows)}", flush=True)
+                print(f"  profile of one {kind} step:\n{top_ops(step, args.rows, device)}", flush=True)
     return 0
 
 

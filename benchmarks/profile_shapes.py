@@ -2,12 +2,16 @@
 """Where DCFormer's time goes at a given shape and dtype, next to GPT-NeoX of the same shape (docs/performance.md).
 
 Both models (random weights, the DCPythia preset's layer shape with `--layers` layers and `--vocab` tokens) live in
-one process on 1 torch thread; each phase runs them interleaved (A B B A ...) `--repeats` times after a warm-up and
-prints the medians and DC/NeoX. `--profile` then prints, per model, torch.profiler's top CPU ops of one run of each
-phase (self time, % of the run), which is what docs/performance.md quotes.
+one process on 1 torch thread (or on a GPU: `--device cuda`, which also prints each phase's peak CUDA memory); each
+phase runs them interleaved (A B B A ...) `--repeats` times after a warm-up and prints the medians and DC/NeoX.
+`--profile` then prints, per model, torch.profiler's top ops of one run of each phase (self time, % of the run: CPU
+time, or kernel time on CUDA), which is what docs/performance.md quotes; `--ops` counts the ATen ops and compiled-region
+calls of one run (on any device: each is at least one kernel launch on a GPU, where small models are launch-bound).
 
     python benchmarks/profile_shapes.py --preset dcpythia-pythia-6.9b --layers 2 --vocab 1024 --dtype bf16
     python benchmarks/profile_shapes.py --preset dcpythia-pythia-70m --seq-len 1024 --phases prefill,train --profile
+    python benchmarks/profile_shapes.py --device cuda --layers 32 --vocab 50432 --seq-len 2048  # the whole 6.9B shape
+    python benchmarks/profile_shapes.py --device cuda --implementation auto,triton  # each against NeoX, interleaved
 
 Phases: prefill (`--seq-len` tokens under inference_mode, cache filled, logits of the last position), decode
 (greedy `generate` of `--decode-new` tokens after `--decode-prompt`), train (loss + backward, no optimizer).
@@ -19,16 +23,27 @@ import argparse
 import statistics
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from bench_train_step import timed, top_ops  # one timer and profile table (benchmarks/ is on sys.path)
+from bench_train_step import timed, top_ops, where  # one timer and profile table (benchmarks/ is on sys.path)
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build(kind: str, dc: DCFormerConfig, dtype: torch.dtype):
+def build(kind: str, dc: DCFormerConfig, dtype: torch.dtype, device: torch.device):
     torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype and where it runs: a 6.9B-shape model takes seconds on a GPU
+    try:
+        with device:
+            return _build(kind, dc, dtype)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _build(kind: str, dc: DCFormerConfig, dtype: torch.dtype):
     if kind == "dcformer":
         model = DCFormerForCausalLM(dc)
     else:
@@ -50,7 +65,7 @@ def build(kind: str, dc: DCFormerConfig, dtype: torch.dtype):
 def make_step(model, phase: str, args, vocab: int):
     gen = torch.Generator().manual_seed(1)
     length = args.decode_prompt if phase == "decode" else args.seq_len
-    ids = torch.randint(0, vocab, (args.batch, length), generator=gen)
+    ids = torch.randint(0, vocab, (args.batch, length), generator=gen).to(model.device)
     model.train(phase == "train")
     if phase == "prefill":
         def step():
@@ -68,47 +83,107 @@ def make_step(model, phase: str, args, vocab: int):
     return step
 
 
+# ATen ops that launch no kernel on a GPU (views, metadata, allocation), left out of `--ops`' counts
+NO_LAUNCH = {
+    "aten::view", "aten::as_strided", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::view_as",
+    "aten::expand", "aten::slice", "aten::select", "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze",
+    "aten::permute", "aten::detach", "aten::alias", "aten::unbind", "aten::split", "aten::chunk", "aten::narrow",
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::lift_fresh", "aten::contiguous", "aten::result_type", "aten::size", "aten::stride",
+}  # fmt: skip
+
+
+def count_ops(step) -> tuple[int, int]:
+    """(ATen ops called from Python, not from inside another ATen op, that can launch a kernel; calls of compiled
+    regions) of one call of `step`, recorded on the CPU: about what a GPU would launch (docs/benchmarks.md)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.events()
+    nested = lambda e: e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")  # noqa: E731
+    top = [e for e in events if e.name.startswith("aten::") and not nested(e)]
+    regions = sum(1 for e in events if e.name.startswith("Torch-Compiled Region"))
+    return sum(1 for e in top if e.name not in NO_LAUNCH), regions
+
+
+def with_implementation(model, implementation: str, step):
+    """`step` run with the model's dcmha_implementation set to `implementation` (read at every attention call)."""
+
+    def run():
+        model.config.dcmha_implementation = implementation
+        step()
+
+    return run
+
+
+def peak_cuda_mib(step, device: torch.device) -> float:
+    """The most CUDA memory one run of `step` held above what was allocated before it (weights, cached state), MiB."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="dcpythia-pythia-6.9b")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", default="cpu", help="cpu (1 torch thread) or cuda")
     p.add_argument("--phases", default="prefill,decode")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--decode-prompt", type=int, default=8)
     p.add_argument("--decode-new", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--implementation", default=None, help="dcmha_implementation (default: the preset's, auto)")
+    p.add_argument("--implementation", default=None,
+                   help="dcmha_implementation, or several comma-separated (one model, each timed; default: auto)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--ops", action="store_true",
+                   help="also count the ATen ops and compiled calls of one run of each model (what a GPU launches)")
     p.add_argument("--rows", type=int, default=14)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     overrides = dict(num_hidden_layers=args.layers, vocab_size=args.vocab)
-    if args.implementation:
-        overrides["dcmha_implementation"] = args.implementation
     if args.seq_len > 2048:
         overrides["max_position_embeddings"] = args.seq_len
     dc = DCFormerConfig.from_preset(args.preset, **overrides)
-    dtype = DTYPES[args.dtype]
-    models = {kind: build(kind, dc, dtype) for kind in ("neox", "dcformer")}
-    print(f"{args.preset} x{args.layers} layers, vocab {args.vocab}, {args.dtype}, batch {args.batch}, 1 thread, "
-          f"median of {args.repeats} (shared machine: noisy)")
+    implementations = args.implementation.split(",") if args.implementation else [dc.dcmha_implementation]
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    models = {kind: build(kind, dc, dtype, device) for kind in ("neox", "dcformer")}
+    print(f"{args.preset} x{args.layers} layers, vocab {args.vocab}, {args.dtype}, batch {args.batch}, "
+          f"{where(device, 1)}, median of {args.repeats}")
+    # the DCFormer model once per implementation ("DC" alone when there is one); all interleaved with NeoX
+    names = {impl: "DC" if len(implementations) == 1 else f"DC[{impl}]" for impl in implementations}
     for phase in args.phases.split(","):
-        steps = {kind: make_step(m, phase, args, dc.vocab_size) for kind, m in models.items()}
+        steps = {"NeoX": make_step(models["neox"], phase, args, dc.vocab_size)}
+        for impl in implementations:
+            steps[names[impl]] = with_implementation(models["dcformer"], impl,
+                                                     make_step(models["dcformer"], phase, args, dc.vocab_size))
         for step in steps.values():
             step()  # warm-up
         times = {kind: [] for kind in steps}
         for r in range(args.repeats):
-            for kind in (("neox", "dcformer") if r % 2 == 0 else ("dcformer", "neox")):
-                times[kind].append(timed(steps[kind]))
+            for kind in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+                times[kind].append(timed(steps[kind], device))
         med = {kind: statistics.median(t) for kind, t in times.items()}
-        print(f"{phase:>8}: NeoX {med['neox'] * 1e3:9.1f} ms  DC {med['dcformer'] * 1e3:9.1f} ms  "
-              f"DC/NeoX {med['dcformer'] / med['neox']:.3f}", flush=True)
+        cells = [f"{kind} {med[kind] * 1e3:9.1f} ms" for kind in steps]
+        ratios = [f"{kind}/NeoX {med[kind] / med['NeoX']:.3f}" for kind in steps if kind != "NeoX"]
+        print(f"{phase:>8}: {'  '.join(cells)}  {'  '.join(ratios)}", flush=True)
+        if device.type == "cuda":
+            peak = {kind: peak_cuda_mib(step, device) for kind, step in steps.items()}
+            cells = [f"{kind} {peak[kind]:.0f} MiB" for kind in steps]
+            ratios = [f"{kind}/NeoX {peak[kind] / max(peak['NeoX'], 1e-9):.3f}" for kind in steps if kind != "NeoX"]
+            print(f"{'':>8}  peak CUDA memory above the weights: {'  '.join(cells)}  {'  '.join(ratios)}", flush=True)
+        if args.ops:
+            counts = {kind: count_ops(step) for kind, step in steps.items()}
+            cells = [f"{kind} {ops} ops + {regions} compiled calls" for kind, (ops, regions) in counts.items()]
+            print(f"{'':>8}  per run: {'  '.join(cells)}", flush=True)
         if args.profile:
             for kind, step in steps.items():
-                print(f"  {phase} profile, {kind}:\n{top_ops(step, args.rows)}", flush=True)
+                print(f"  {phase} profile, {kind}:\n{top_ops(step, args.rows, device)}", flush=True)
     return 0
 
 

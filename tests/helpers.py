@@ -128,7 +128,7 @@ def padded_batch():
 def loss_and_grads(model, input_ids, mask):
     model.zero_grad()
     out = model(input_ids, attention_mask=mask, use_cache=False)
-    weights = torch.linspace(-1, 1, out.logits.numel()).view_as(out.logits)
+    weights = torch.linspace(-1, 1, out.logits.numel(), device=out.logits.device).view_as(out.logits)
     loss = (out.logits * weights * mask[..., None]).mean()  # a mean, as in test_oracle's backward tests
     loss.backward()
     return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -190,3 +190,25 @@ def test_quick_run_of_a_layer_slice_in_bf16_reports_prefill_decode_and_memory(tm
     assert any(label.startswith("prefill 1x16") for label in labels)
     assert any(label.startswith("decode 4+3") for label in labels)
     assert any(label.startswith("peak memory, decode") for label in labels)
+
+
+def test_profile_shapes_times_each_implementation_against_neox(monkeypatch, capsys):
+    """benchmarks/profile_shapes.py with several implementations: one DCFormer model, each implementation set for its
+    own runs, every one timed against GPT-NeoX in the same phase line."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports its timer from bench_train_step
+    spec = importlib.util.spec_from_file_location("profile_shapes", ROOT / "benchmarks" / "profile_shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seen = []
+    model = type("Model", (), {"config": type("Config", (), {"dcmha_implementation": "auto"})()})()
+    module.with_implementation(model, "eager", lambda: seen.append(model.config.dcmha_implementation))()
+    assert seen == ["eager"]
+
+    argv = ["--preset", "dcpythia-pythia-70m", "--layers", "1", "--vocab", "128", "--dtype", "fp32", "--seq-len", "16",
+            "--phases", "prefill,train", "--repeats", "1", "--implementation", "eager,auto"]  # fmt: skip
+    assert module.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith(("prefill", "train"))]
+    assert len(lines) == 2
+    for line in lines:
+        assert re.search(r"NeoX +[\d.]+ ms +DC\[eager\] +[\d.]+ ms +DC\[auto\] +[\d.]+ ms +DC\[eager\]/NeoX [\d.]+ "
+                         r"+DC\[auto\]/NeoX [\d.]+$", line), line  # fmt: skip

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# What to run when a CUDA GPU is at hand, in one go: the GPU tests, then DCFormer against GPT-NeoX of the same shape
+# in bf16 and fp32 (Pythia-160M, 4 layers of DCPythia-6.9B, compare_small's training step, attention layers).
+#
+#     bash benchmarks/cuda_check.sh OUTDIR [SECONDS [STEP,STEP,...]]
+#
+# Steps run in order of importance, each under its own time limit and all within SECONDS (default 540): a step that
+# fails or runs out of time is reported and the next one starts. Everything goes to OUTDIR/cuda_check.log; stdout
+# gets each step's result lines. Needs the package installed (pip install -e ".[test]") and a GPU with 24 GB free.
+set -u
+out=${1:?usage: bash benchmarks/cuda_check.sh OUTDIR [SECONDS]}
+budget=${2:-540}
+only=${3:-}  # run only these steps (their names below)
+mkdir -p "$out"
+log="$out/cuda_check.log"
+cd "$(dirname "$0")/.."
+end=$(($(date +%s) + budget))
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...: run it, its output to the log, its result lines to stdout
+    local name=$1 limit=$2 left rc t0
+    shift 2
+    [[ -n $only && ",$only," != *",$name,"* ]] && return
+    left=$((end - $(date +%s)))
+    ((left < limit)) && limit=$left
+    if ((limit < 10)); then
+        echo "== $name: skipped (the time budget is spent)"
+        return
+    fi
+    echo "== $name (limit ${limit} s): $*" | tee -a "$log"
+    t0=$(date +%s)
+    PYTHONUNBUFFERED=1 timeout -k 5 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    echo "   rc $rc in $(($(date +%s) - t0)) s$([ $rc = 124 ] && echo ' (time limit)')" | tee -a "$log"
+    # result lines: the benchmarks' tables and headers, pytest's summary, failures and errors
+    sed -n "/^== $name /,\$p" "$log" | grep -E '^(\| |- |  *(prefill|decode|train|peak|forward|fwd\+bwd)|[a-z0-9.-]+ x[0-9]|training step|  *[0-9]+/[0-9]|size |T=|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)|    [a-zA-Z_:]+ .* calls|    total|.*Error:|device|GPU|torch |triton |transformers )' | tail -n 40
+}
+
+bench=benchmarks
+dc="--implementation auto,triton"  # the default choice and the Triton kernels, each against GPT-NeoX
+step env 30 python3 -c "import torch, triton, transformers; print('GPU', torch.cuda.get_device_name(), '| torch', \
+torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")  # a slow test fails, the rest run
+step gpu-tests 280 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $per_test tests/test_gpu.py
+# one attention layer of Pythia-160M, each DCMHA implementation against SDPA
+step attention-160m-bf16 60 python3 $bench/bench_attention.py --device cuda --dtype bf16 --seq-lens 1024,4096 \
+    --repeats 10
+# Pythia-160M (12 layers), batch 8 x 1024 tokens: prefill, training step (no optimizer), 16 new tokens
+step 160m-bf16 90 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
+    --vocab 50304 --dtype bf16 --phases prefill,train,decode --seq-len 1024 --batch 8 --decode-new 16 --repeats 3 $dc
+step 160m-fp32 75 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
+    --vocab 50304 --dtype fp32 --phases prefill,train,decode --seq-len 1024 --batch 8 --decode-new 16 --repeats 3 $dc
+# 4 layers of DCPythia-6.9B's shape (vocabulary 50432): prefill of 2048 tokens, 16 new tokens, a training step
+step 6.9b-bf16 75 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-6.9b --layers 4 \
+    --vocab 50432 --dtype bf16 --phases prefill,decode,train --seq-len 2048 --decode-prompt 16 --decode-new 16 \
+    --repeats 3 $dc
+step 6.9b-fp32 60 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-6.9b --layers 4 \
+    --vocab 50432 --dtype fp32 --phases prefill,train --seq-len 2048 --repeats 3 $dc
+step train-step-small 45 python3 $bench/bench_train_step.py --device cuda --repeats 10
+# where the time goes (torch.profiler's kernel times)
+step 160m-bf16-profile 60 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
+    --vocab 50304 --dtype bf16 --phases prefill,train --seq-len 1024 --batch 8 --repeats 3 --profile --rows 12 $dc
+step attention-6.9b-bf16 60 python3 $bench/bench_attention.py --device cuda --dtype bf16 --hidden-size 4096 --heads 32 \
+    --seq-lens 2048 --repeats 10
+echo "== done; the whole log: $log"
