@@ -129,7 +129,7 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=parse_sizes, default=parse_sizes("128/4,256/8,512/8"), help="HIDDEN/HEADS,...")
     p.add_argument("--batch-size", type=int, default=16)
@@ -141,7 +141,11 @@ def main(argv=None) -> int:
     p.add_argument("--dc-overrides", default="", help="DCFormerConfig options, e.g. attention_recompute=false")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--rows", type=int, default=20)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     overrides = {}

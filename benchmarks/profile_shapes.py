@@ -28,6 +28,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from bench_train_step import timed, top_ops, where  # one timer and profile table (benchmarks/ is on sys.path)
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.dcmha import implementation_names
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -125,7 +126,17 @@ def peak_cuda_mib(step, device: torch.device) -> float:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
-def main(argv=None) -> int:
+def implementation_list(text: str) -> list[str]:
+    """`--implementation`: registered dcmha_implementation names, comma-separated."""
+    names = text.split(",")
+    known = set(implementation_names())
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a dcmha_implementation (known: {sorted(known)})")
+    return names
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="dcpythia-pythia-6.9b")
     p.add_argument("--layers", type=int, default=2)
@@ -138,19 +149,23 @@ def main(argv=None) -> int:
     p.add_argument("--decode-prompt", type=int, default=8)
     p.add_argument("--decode-new", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--implementation", default=None,
+    p.add_argument("--implementation", default=None, type=implementation_list,
                    help="dcmha_implementation, or several comma-separated (one model, each timed; default: auto)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--ops", action="store_true",
                    help="also count the ATen ops and compiled calls of one run of each model (what a GPU launches)")
     p.add_argument("--rows", type=int, default=14)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     overrides = dict(num_hidden_layers=args.layers, vocab_size=args.vocab)
     if args.seq_len > 2048:
         overrides["max_position_embeddings"] = args.seq_len
     dc = DCFormerConfig.from_preset(args.preset, **overrides)
-    implementations = args.implementation.split(",") if args.implementation else [dc.dcmha_implementation]
+    implementations = args.implementation or [dc.dcmha_implementation]
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     models = {kind: build(kind, dc, dtype, device) for kind in ("neox", "dcformer")}
     print(f"{args.preset} x{args.layers} layers, vocab {args.vocab}, {args.dtype}, batch {args.batch}, "

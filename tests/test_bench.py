@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import struct
 import subprocess
 import sys
@@ -212,3 +213,41 @@ def test_profile_shapes_times_each_implementation_against_neox(monkeypatch, caps
     for line in lines:
         assert re.search(r"NeoX +[\d.]+ ms +DC\[eager\] +[\d.]+ ms +DC\[auto\] +[\d.]+ ms +DC\[eager\]/NeoX [\d.]+ "
                          r"+DC\[auto\]/NeoX [\d.]+$", line), line  # fmt: skip
+
+
+def cuda_check_steps() -> dict[str, list[str]]:
+    """{step name: its command's words} of benchmarks/cuda_check.sh, its variables ($bench, $dc) filled in."""
+    text = (ROOT / "benchmarks" / "cuda_check.sh").read_text().replace("\\\n", " ")
+    values = {"bench": "benchmarks", "dc": re.search(r'^dc="([^"]*)"', text, re.M).group(1), "per_test": ""}
+    steps = {}
+    for line in text.splitlines():
+        if line.startswith("step "):
+            line = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], line.split("  #")[0])
+            words = shlex.split(line)
+            steps[words[1]] = words[3:]
+    return steps
+
+
+def test_cuda_check_runs_the_gpu_tests_first_and_every_benchmark_step_parses(monkeypatch):
+    """A GPU is lent rarely and briefly: benchmarks/cuda_check.sh must not lose its run to a typo. The script is valid
+    bash, its first step after `env` runs the GPU tests, and every benchmark step's arguments (implementation names
+    included) parse with that benchmark's own parser."""
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "cuda_check.sh")], check=True)
+    steps = cuda_check_steps()
+    assert list(steps)[:2] == ["env", "gpu-tests"]
+    assert steps["gpu-tests"][:4] == ["python3", "-m", "pytest", "-q"] and "gpu" in steps["gpu-tests"]
+    assert (ROOT / steps["gpu-tests"][-1]).is_file()
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    scripts = set()
+    for name, words in steps.items():
+        if name in ("env", "gpu-tests"):
+            continue
+        assert words[0] == "python3" and words[1].startswith("benchmarks/"), (name, words)
+        path = ROOT / words[1]
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        args = module.parse_args(words[2:])  # argparse exits on a bad argument
+        assert args.device == "cuda", name
+        scripts.add(path.name)
+    assert scripts == {"bench_attention.py", "profile_shapes.py", "bench_train_step.py"}
