@@ -185,3 +185,23 @@ def test_the_transformer_baseline_resumes_with_every_weight(tmp_path):
     expected = trained.state_dict()
     for name, tensor in resumed.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_calibrating_some_sizes_keeps_the_others():
+    """`study calibrate --sizes 256,512` after a calibration of 128, 256 and 512: 256 and 512 replaced, 128 kept as it
+    was, and each size says when it was measured."""
+    earlier = {"date": "day 1", "load_average_before": [1.0], "load_average_after": [1.1],
+               "step_seconds": {s: {"transformer": 1.0, "dcformer": 2.0} for s in ("128", "256", "512")},
+               "step_cpu_seconds": {s: {"transformer": 0.9, "dcformer": 1.9} for s in ("128", "256", "512")}}  # fmt: skip
+    new = {"date": "day 2", "load_average_before": [0.1], "load_average_after": [0.2],
+           "step_seconds": {s: {"transformer": 3.0, "dcformer": 4.0} for s in ("256", "512")},
+           "step_cpu_seconds": {s: {"transformer": 2.9, "dcformer": 3.9} for s in ("256", "512")}}  # fmt: skip
+    merged = study.merge_calibration(earlier, new)
+    assert merged["step_seconds"]["128"] == {"transformer": 1.0, "dcformer": 2.0}
+    assert merged["step_cpu_seconds"]["128"] == {"transformer": 0.9, "dcformer": 1.9}
+    assert merged["step_seconds"]["256"] == merged["step_seconds"]["512"] == {"transformer": 3.0, "dcformer": 4.0}
+    assert merged["measured"]["128"]["date"] == "day 1" and merged["measured"]["512"]["date"] == "day 2"
+    assert merged["date"] == "day 2"
+    again = study.merge_calibration(merged, {**new, "date": "day 3"})  # a third calibration keeps 128's own date
+    assert again["measured"]["128"]["date"] == "day 1" and again["measured"]["256"]["date"] == "day 3"
+    assert study.merge_calibration(None, new)["step_seconds"] == new["step_seconds"]

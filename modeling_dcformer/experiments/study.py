@@ -96,6 +96,24 @@ def calibrate(out: Path, sizes: list[int], steps: int = 8, warmup: int = 2, roun
     return result
 
 
+def merge_calibration(earlier: dict | None, new: dict) -> dict:
+    """`new` (a `calibrate` result) with the sizes of an `earlier` calibration that it did not measure kept as they
+    were: `calibrate --sizes 256,512` must not drop the 128 entry. `measured` says when and under which load each
+    size's entry was taken."""
+    merged = json.loads(json.dumps(new))  # a copy: `new`'s tables stay as measured
+    stamp = {k: new.get(k) for k in ("date", "load_average_before", "load_average_after")}
+    merged["measured"] = {size: stamp for size in new["step_seconds"]}
+    if not earlier:
+        return merged
+    earlier_stamp = {k: earlier.get(k) for k in ("date", "load_average_before", "load_average_after")}
+    for table in ("step_seconds", "step_cpu_seconds"):
+        for size, entry in (earlier.get(table) or {}).items():
+            if size not in new["step_seconds"]:
+                merged.setdefault(table, {})[size] = entry
+                merged["measured"][size] = (earlier.get("measured") or {}).get(size, earlier_stamp)
+    return merged
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The plan: a deterministic queue, re-derived from the finished runs after each one
 
@@ -556,7 +574,9 @@ def main(argv=None) -> None:
         result = calibrate(out, sizes, steps=args.calibration_steps)
         result["load_average_after"] = list(os.getloadavg())
         result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        write_atomic(out / "calibration.json", json.dumps(result, indent=1))
+        path = out / "calibration.json"
+        earlier = json.loads(path.read_text()) if path.is_file() else None
+        write_atomic(path, json.dumps(merge_calibration(earlier, result), indent=1))
     elif args.command == "run":
         trained = run_study(out, default_spec(), max_runs=args.max_runs)
         print(f"study: trained {trained} runs; the queue is {'empty' if args.max_runs is None else 'paused'}")
