@@ -47,6 +47,9 @@ step attention-160m-bf16 60 python3 $bench/bench_attention.py --device cuda --dt
 # Pythia-160M (12 layers), batch 8 x 1024 tokens: prefill, training step (no optimizer), 16 new tokens
 step 160m-bf16 90 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
     --vocab 50304 --dtype bf16 --phases prefill,train,decode --seq-len 1024 --batch 8 --decode-new 16 --repeats 3 $dc
+# the same with chunks of 1024 queries (one chunk a layer): fewer launches for "auto", more memory
+step 160m-bf16-chunk1024 60 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
+    --vocab 50304 --dtype bf16 --phases prefill,train --seq-len 1024 --batch 8 --repeats 3 --attention-chunk-size 1024
 step 160m-fp32 75 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
     --vocab 50304 --dtype fp32 --phases prefill,train,decode --seq-len 1024 --batch 8 --decode-new 16 --repeats 3 $dc
 # 4 layers of DCPythia-6.9B's shape (vocabulary 50432): prefill of 2048 tokens, 16 new tokens, a training step

@@ -151,6 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--implementation", default=None, type=implementation_list,
                    help="dcmha_implementation, or several comma-separated (one model, each timed; default: auto)")
+    p.add_argument("--attention-chunk-size", type=int, default=None,
+                   help="queries attended at a time by the chunked implementations (default: the preset's, 128)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--ops", action="store_true",
                    help="also count the ATen ops and compiled calls of one run of each model (what a GPU launches)")
@@ -164,12 +166,14 @@ def main(argv=None) -> int:
     overrides = dict(num_hidden_layers=args.layers, vocab_size=args.vocab)
     if args.seq_len > 2048:
         overrides["max_position_embeddings"] = args.seq_len
+    if args.attention_chunk_size:
+        overrides["attention_chunk_size"] = args.attention_chunk_size
     dc = DCFormerConfig.from_preset(args.preset, **overrides)
     implementations = args.implementation or [dc.dcmha_implementation]
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     models = {kind: build(kind, dc, dtype, device) for kind in ("neox", "dcformer")}
     print(f"{args.preset} x{args.layers} layers, vocab {args.vocab}, {args.dtype}, batch {args.batch}, "
-          f"{where(device, 1)}, median of {args.repeats}")
+          f"chunks of {dc.attention_chunk_size} queries, {where(device, 1)}, median of {args.repeats}")
     # the DCFormer model once per implementation ("DC" alone when there is one); all interleaved with NeoX
     names = {impl: "DC" if len(implementations) == 1 else f"DC[{impl}]" for impl in implementations}
     for phase in args.phases.split(","):
