@@ -78,6 +78,14 @@ def test_three_axes_run_and_rebuild_from_older_json(tmp_path):
     assert "training seconds: n/a" in text and "| n/a |" in text
     assert not list(folder.glob(".*.tmp")) and not list(folder.glob(".curves*"))  # no temporary file left behind
 
+    # a comparison whose DCFormer has qk-norm (the study's dcformer-qk runs) names it in its tables and plot legends
+    assert "| DCFormer (DCMHA) |" in text and "+ qk-norm" not in text
+    again["setup"]["dc_overrides"] = {**(again["setup"].get("dc_overrides") or {}), "use_qk_norm": True}
+    (folder / "results.json").write_text(json.dumps(again))
+    compare.main(["--report-only", "--out", str(folder)])
+    text = (folder / "results.md").read_text()
+    assert "| DCFormer (DCMHA) + qk-norm |" in text and "| DCFormer (DCMHA) |" not in text
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_device_cuda_without_cuda_is_one_clear_error(capsys):

@@ -306,8 +306,18 @@ def setup_lines(report: dict) -> list[str]:
     return lines
 
 
+def model_labels(setup: dict) -> dict:
+    """LABELS for one comparison: "dcformer" names qk-norm when the comparison's DCFormer has it (the study's
+    `dcformer-qk` runs are drawn as "dcformer" beside the Transformer)."""
+    labels = dict(LABELS)
+    if (setup.get("dc_overrides") or {}).get("use_qk_norm"):
+        labels["dcformer"] += " + qk-norm"
+    return labels
+
+
 def write_markdown(path: Path, report: dict) -> str:
     setup, agg = report["setup"], report["aggregate"]
+    labels = model_labels(setup)
     tasks = setup["tasks"]
     lm = setup.get("task") == "lm"
     runs = main_runs(report)
@@ -325,7 +335,7 @@ def write_markdown(path: Path, report: dict) -> str:
         for kind in present:
             m = agg["models"][kind]
             lines.append(
-                f"| {LABELS[kind]} | {m['parameters']:,} | {m['lr']:g} | {fmt(m['lm']['loss'])} | "
+                f"| {labels[kind]} | {m['parameters']:,} | {m['lr']:g} | {fmt(m['lm']['loss'])} | "
                 f"{fmt(m['lm']['perplexity'], 2)} | {fmt(m['lm']['bits_per_byte'])} | "
                 f"{m['tokens_per_second']['mean']:,.0f} |"
             )
@@ -342,7 +352,7 @@ def write_markdown(path: Path, report: dict) -> str:
             for kind in present:
                 m = agg["models"][kind][task]
                 lines.append(
-                    f"| {task} | {LABELS[kind]} | {fmt(m['loss'])} | {fmt(m['accuracy'], pct=True)} | "
+                    f"| {task} | {labels[kind]} | {fmt(m['loss'])} | {fmt(m['accuracy'], pct=True)} | "
                     f"{fmt(m['seq_accuracy'], pct=True)} | {fmt(m['accuracy_hard'], pct=True)} |"
                 )
     per_run = "loss / perplexity" if lm else "loss / accuracy"
@@ -359,7 +369,7 @@ def write_markdown(path: Path, report: dict) -> str:
         else:
             cells = [f"{run['final'][f'{t}_loss']:.3f} / {run['final'][f'{t}_accuracy']:.1%}" for t in tasks]
         lines.append(
-            f"| {LABELS[run['model']]} | {run['seed']} | " + " | ".join(cells) + f" | {run['train_seconds']:.0f} s |"
+            f"| {labels[run['model']]} | {run['seed']} | " + " | ".join(cells) + f" | {run['train_seconds']:.0f} s |"
         )
     expected = len(setup["seeds"]) * len(setup.get("models", MODELS))
     if len(runs) < expected:
@@ -370,7 +380,7 @@ def write_markdown(path: Path, report: dict) -> str:
         speed = agg["models"][kind].get("tokens_per_second")
         speed = f"; {speed['mean']:,.0f} training tokens/s" if speed else ""
         lines.append(
-            f"- {LABELS[kind]}: {t['mean']:.0f} s a run ({t['mean'] / setup['steps'] * 1000:.0f} ms a step, "
+            f"- {labels[kind]}: {t['mean']:.0f} s a run ({t['mean'] / setup['steps'] * 1000:.0f} ms a step, "
             f"evaluations included{speed})."
         )
     for task, c in agg["comparisons"].items():
@@ -387,7 +397,7 @@ def write_markdown(path: Path, report: dict) -> str:
             )
         else:
             lines.append(f"- {task}: neither mean curve reaches the other's final loss before the end.")
-    lines += axes_lines(report) + sweep_lines(report) + norms_lines(agg)
+    lines += axes_lines(report) + sweep_lines(report) + norms_lines(agg, labels)
     text = "\n".join(lines) + "\n"
     write_atomic(path, text)
     return text
@@ -406,6 +416,7 @@ def fmt_axis(axis: str, value: float | None) -> str:
 def axes_lines(report: dict) -> list[str]:
     """The three axes: each model's budget in tokens, FLOPs and seconds, and the mean curves compared on each."""
     agg = report["aggregate"]
+    labels = model_labels(report["setup"])
     kinds = [k for k in MODELS if "axes" in agg["models"].get(k, {})]
     if not kinds:
         return []
@@ -431,7 +442,7 @@ def axes_lines(report: dict) -> list[str]:
         per_token = axes["flops"] / axes["tokens"] if axes["flops"] is not None else None
         seconds = fmt_axis("seconds", axes["seconds"]["mean"]) if axes["seconds"] else "n/a"
         lines.append(
-            f"| {LABELS[kind]} | {fmt_axis('tokens', axes['tokens'])} | {fmt_axis('flops', axes['flops'])} | "
+            f"| {labels[kind]} | {fmt_axis('tokens', axes['tokens'])} | {fmt_axis('flops', axes['flops'])} | "
             f"{fmt_axis('flops', per_token)} | {seconds} | {loss:.3f} |"
         )
     for task, by_axis in agg.get("axis_comparisons", {}).items():
@@ -468,6 +479,7 @@ def axes_lines(report: dict) -> list[str]:
 
 def sweep_lines(report: dict) -> list[str]:
     sweep = report.get("lr_sweep")
+    labels = model_labels(report["setup"])
     if not sweep:
         return []
     rates = sweep["rates"]
@@ -483,11 +495,11 @@ def sweep_lines(report: dict) -> list[str]:
         table = sweep["final_loss"].get(kind)
         if table:
             cells = [f"{table[repr(r)]:.3f}" if repr(r) in table else "–" for r in rates]
-            lines.append(f"| {LABELS[kind]} | " + " | ".join(cells) + f" | {sweep['best'][kind]:g} |")
+            lines.append(f"| {labels[kind]} | " + " | ".join(cells) + f" | {sweep['best'][kind]:g} |")
     return lines
 
 
-def norms_lines(agg: dict) -> list[str]:
+def norms_lines(agg: dict, labels: dict = LABELS) -> list[str]:
     kinds = [k for k in DC_MODELS if "dyn_norms" in agg["models"].get(k, {})]
     if not kinds:
         return []
@@ -508,11 +520,11 @@ def norms_lines(agg: dict) -> list[str]:
             for slot in slots:
                 v = norms[part].get(slot)
                 cells.append(f"{v['start']:.3g} → {v['end']:.3g}" if v else "–")
-        lines.append(f"| {LABELS[kind]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {labels[kind]} | " + " | ".join(cells) + " |")
     return lines
 
 
-def plot_curves(path: Path, runs: list[dict], tasks: list[str]) -> None:
+def plot_curves(path: Path, runs: list[dict], tasks: list[str], labels: dict = LABELS) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -532,7 +544,7 @@ def plot_curves(path: Path, runs: list[dict], tasks: list[str]) -> None:
                     continue
                 curve = mean_curve(mine, f"{task}_{metric}")
                 steps = [c[0] for c in curve]
-                ax.plot(steps, [c[1] for c in curve], color=colors[kind], label=f"{LABELS[kind]}, mean of {len(mine)}")
+                ax.plot(steps, [c[1] for c in curve], color=colors[kind], label=f"{labels[kind]}, mean of {len(mine)}")
                 ax.fill_between(steps, [c[2] for c in curve], [c[3] for c in curve], color=colors[kind], alpha=0.2)
             if metric == "perplexity":
                 ax.set_yscale("log")
@@ -552,6 +564,7 @@ COLORS = dict(zip(MODELS, ("tab:blue", "tab:red", "tab:gray", "tab:green", "tab:
 
 def draw_axes_row(axes_row, report: dict, runs: list[dict], task: str, title: str = "") -> None:
     """Validation loss against tokens, FLOPs and seconds (one matplotlib axis each), mean and min-max band."""
+    labels = model_labels(report.get("setup", {}))
     for ax, axis in zip(axes_row, AXES):
         drawn = False
         for kind in MODELS:
@@ -560,7 +573,7 @@ def draw_axes_row(axes_row, report: dict, runs: list[dict], task: str, title: st
             if not curve:
                 continue
             xs = [c[0] for c in curve]
-            ax.plot(xs, [c[1] for c in curve], color=COLORS[kind], label=f"{LABELS[kind]}, mean of {len(mine)}")
+            ax.plot(xs, [c[1] for c in curve], color=COLORS[kind], label=f"{labels[kind]}, mean of {len(mine)}")
             ax.fill_between(xs, [c[2] for c in curve], [c[3] for c in curve], color=COLORS[kind], alpha=0.2)
             drawn = True
         label = AXIS_LABELS[axis]
@@ -593,7 +606,7 @@ def plot_axes(path: Path, report: dict, runs: list[dict], tasks: list[str]) -> N
     plt.close(fig)
 
 
-def plot_norms(path: Path, runs: list[dict]) -> bool:
+def plot_norms(path: Path, runs: list[dict], labels: dict = LABELS) -> bool:
     """The dynamic terms' RMS over training, per DCFormer model and slot (mean over seeds); False if none."""
     kinds = [k for k in DC_MODELS if any(r["model"] == k and r.get("dyn_norms") for r in runs)]
     if not kinds:
@@ -611,7 +624,7 @@ def plot_norms(path: Path, runs: list[dict]) -> bool:
             for slot in mine[0][0][part]:
                 values = [statistics.fmean(h[i][part][slot] for h in mine) for i in range(len(steps))]
                 ax.plot(steps, values, style, label=f"{'w2' if part == 'w2' else 'diag'} {slot}")
-        ax.set_title(LABELS[kind], fontsize=9)
+        ax.set_title(labels[kind], fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("RMS on the probe batch")
         ax.grid(alpha=0.3)
@@ -729,9 +742,9 @@ def write_reports(out: Path, report: dict) -> str:
     tasks = report["setup"]["tasks"]
     runs = main_runs(report)
     report["aggregate"] = aggregate(runs, tasks, report)
-    plot_curves(out / "curves.png", runs, tasks)
+    plot_curves(out / "curves.png", runs, tasks, model_labels(report["setup"]))
     plot_axes(out / "curves_axes.png", report, runs, tasks)
-    plot_norms(out / "dyn_norms.png", runs)
+    plot_norms(out / "dyn_norms.png", runs, model_labels(report["setup"]))
     return write_markdown(out / "results.md", report)
 
 
