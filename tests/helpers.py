@@ -146,7 +146,7 @@ def assert_rows_match_oracle(model, logits, input_ids, mask):
 def assert_decoding_matches_full_forward(model):
     """Prefill of 6 tokens, then one token at a time through the cache (a local layer's cache keeps only its
     window): the logits of the full forward pass."""
-    input_ids, _ = padded_batch()
+    input_ids = padded_batch()[0].to(model.device)
     with torch.no_grad():
         full = model(input_ids, use_cache=False).logits
         out = model(input_ids[:, :6], use_cache=True)
@@ -291,3 +291,25 @@ def in_process_help_options(main, capsys) -> set[str]:
     helped = capsys.readouterr().out
     assert helped.startswith("usage:"), helped[:300]
     return help_options(helped)
+
+
+def assert_compiled_generation_equals(model, generate, expected, backend) -> None:
+    """With `model.forward = torch.compile(model.forward, dynamic=True)` through `backend` (a torch.compile backend
+    name), `generate()` returns `expected`, and a second call of the same lengths compiles nothing new."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend(backend)
+    torch._dynamo.reset()
+    try:
+        model.forward = torch.compile(model.forward, backend=counter, dynamic=True)
+        with torch.no_grad():
+            compiled = generate()
+            frames = counter.frame_count
+            again = generate()
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+    assert frames >= 1, "nothing was compiled"
+    assert torch.equal(compiled, expected), (compiled, expected)
+    assert torch.equal(again, expected)
+    assert counter.frame_count == frames, "a second generation of the same lengths compiled again"

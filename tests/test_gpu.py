@@ -18,7 +18,17 @@ import importlib.util
 import pytest
 import torch
 
-from helpers import VOCAB, as_double, assert_close, build_model, loss_and_grads, make_config, padded_batch
+from helpers import (
+    VOCAB,
+    as_double,
+    assert_close,
+    assert_compiled_generation_equals,
+    assert_decoding_matches_full_forward,
+    build_model,
+    loss_and_grads,
+    make_config,
+    padded_batch,
+)
 from oracle import oracle_causal_lm
 
 pytestmark = [
@@ -88,15 +98,7 @@ def test_gradients_on_cuda_match_cpu_eager(backend):
 def test_decoding_on_cuda_matches_the_full_forward(backend):
     """Prefill of 6 tokens, then one token at a time through the cache (a local layer keeps only its window)."""
     model = on_cuda(build_model(make_config(dcmha_implementation=needs(backend), **SHARED)))
-    input_ids = padded_batch()[0].to(CUDA)
-    with torch.no_grad():
-        full = model(input_ids, use_cache=False).logits
-        out = model(input_ids[:, :6], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
-        for t in range(6, input_ids.shape[1]):
-            out = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache, steps = out.past_key_values, steps + [out.logits]
-    assert_close(torch.cat(steps, dim=1).cpu(), full.cpu(), **FP32_TOL)
+    assert_decoding_matches_full_forward(model)  # within 1e-4, as FP32_TOL
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -194,8 +196,6 @@ def test_triton_never_holds_the_scores_of_a_layer():
 def test_static_cache_generation_under_inductor_on_cuda_equals_eager():
     """`model.forward = torch.compile(model.forward)` and `cache_implementation="static"` (Inductor generates Triton
     code for the GPU): the eager tokens, and a second generation of the same lengths compiles nothing new."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     config = make_config(num_hidden_layers=2, window_size=4, window_type="LG", eos_token_id=None)
     model = on_cuda(build_model(config))
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0)).to(CUDA)
@@ -203,17 +203,6 @@ def test_static_cache_generation_under_inductor_on_cuda_equals_eager():
     mask[1, :2] = 0
     eager = greedy(model, ids, mask, cache_implementation="static")
     assert torch.equal(eager, greedy(model, ids, mask))  # the static cache equals the dynamic one
-    counter = CompileCounterWithBackend("inductor")
-    torch._dynamo.reset()
-    try:
-        model.forward = torch.compile(model.forward, backend=counter, dynamic=True)
-        compiled = greedy(model, ids, mask, cache_implementation="static")
-        frames = counter.frame_count
-        again = greedy(model, ids, mask, cache_implementation="static")
-    finally:
-        del model.forward
-        torch._dynamo.reset()
-    assert frames >= 1, "nothing was compiled"
-    assert torch.equal(compiled, eager), (compiled, eager)
-    assert torch.equal(again, eager)
-    assert counter.frame_count == frames, "a second generation of the same lengths compiled again"
+    assert_compiled_generation_equals(
+        model, lambda: greedy(model, ids, mask, cache_implementation="static"), eager, "inductor"
+    )

@@ -12,7 +12,7 @@ inductor, what users get by default, it compiles C++ for a few graphs: minutes o
 import pytest
 import torch
 
-from helpers import build_model, make_config
+from helpers import assert_compiled_generation_equals, build_model, make_config
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -24,8 +24,6 @@ NEW = 6
     pytest.param("inductor", marks=pytest.mark.expensive),
 ])
 def test_compiled_static_cache_greedy_generation_equals_eager(backend):
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     config = make_config(num_hidden_layers=2, window_size=4, window_type="LG", eos_token_id=None)
     model = build_model(config).eval()
     ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -38,18 +36,4 @@ def test_compiled_static_cache_greedy_generation_equals_eager(backend):
         dynamic_cache = model.generate(ids, **{**kwargs, "cache_implementation": None})
     assert torch.equal(eager, dynamic_cache)
 
-    counter = CompileCounterWithBackend(backend)
-    torch._dynamo.reset()
-    try:
-        model.forward = torch.compile(model.forward, backend=counter, dynamic=True)
-        with torch.no_grad():
-            compiled = model.generate(ids, **kwargs)
-            frames = counter.frame_count
-            again = model.generate(ids, **kwargs)
-    finally:
-        del model.forward
-        torch._dynamo.reset()
-    assert frames >= 1, "nothing was compiled"
-    assert torch.equal(compiled, eager), (compiled, eager)
-    assert torch.equal(again, eager)
-    assert counter.frame_count == frames, "a second generation of the same lengths compiled again"
+    assert_compiled_generation_equals(model, lambda: model.generate(ids, **kwargs), eager, backend)

@@ -479,9 +479,9 @@ def axes_lines(report: dict) -> list[str]:
 
 def sweep_lines(report: dict) -> list[str]:
     sweep = report.get("lr_sweep")
-    labels = model_labels(report["setup"])
     if not sweep:
         return []
+    labels = model_labels(report["setup"])
     rates = sweep["rates"]
     over_tasks = ", mean over tasks" if len(report["setup"]["tasks"]) > 1 else ""
     lines = [
@@ -742,9 +742,10 @@ def write_reports(out: Path, report: dict) -> str:
     tasks = report["setup"]["tasks"]
     runs = main_runs(report)
     report["aggregate"] = aggregate(runs, tasks, report)
-    plot_curves(out / "curves.png", runs, tasks, model_labels(report["setup"]))
+    labels = model_labels(report["setup"])
+    plot_curves(out / "curves.png", runs, tasks, labels)
     plot_axes(out / "curves_axes.png", report, runs, tasks)
-    plot_norms(out / "dyn_norms.png", runs, model_labels(report["setup"]))
+    plot_norms(out / "dyn_norms.png", runs, labels)
     return write_markdown(out / "results.md", report)
 
 
