@@ -11,9 +11,12 @@ One step = forward with the loss on every token, backward, AdamW step (lr 3e-3, 
 zero_grad. Both models live in one process on `--threads` torch threads (default 1); after `--warmup` steps each,
 `--repeats` steps of each run interleaved (A B B A ...), and the medians are compared. Prints, per size, both
 medians and DCFormer/Transformer (the time ratio: 2.0 means DCFormer trains at half the Transformer's throughput).
-`--profile` prints torch.profiler's top ops of one DCFormer step per size.
+`--profile` prints torch.profiler's top ops of one DCFormer step per size. `--implementation compiled,kernel`
+times one DCFormer model with each dcmha_implementation in turn, all interleaved with the Transformer (one column
+each).
 
     python benchmarks/bench_train_step.py                    # the three sizes
+    python benchmarks/bench_train_step.py --implementation compiled,kernel
     python benchmarks/bench_train_step.py --sizes 128/4 --profile
     python benchmarks/bench_train_step.py --device cuda     # fp32 on the GPU (kernels waited for around each step)
 """
@@ -29,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.dcmha import implementation_names
 
 VOCAB, LAYERS, MAX_PARAM_GAP = 2048, 3, 0.02
 
@@ -129,6 +133,16 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
+def implementation_list(text: str) -> list[str]:
+    """`--implementation`: registered dcmha_implementation names, comma-separated."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in implementation_names()]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown) or repr(text)}: not a dcmha_implementation (known: {list(implementation_names())})")
+    return names
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=parse_sizes, default=parse_sizes("128/4,256/8,512/8"), help="HIDDEN/HEADS,...")
@@ -139,6 +153,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     p.add_argument("--dc-overrides", default="", help="DCFormerConfig options, e.g. attention_recompute=false")
+    p.add_argument("--implementation", type=implementation_list, default=None,
+                   help="dcmha_implementation, or several comma-separated (one model, each timed; default: auto)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--rows", type=int, default=20)
     return p.parse_args(argv)
@@ -152,27 +168,41 @@ def main(argv=None) -> int:
     for item in filter(None, args.dc_overrides.split(",")):
         key, _, value = item.partition("=")
         overrides[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    implementations = args.implementation or [overrides.get("dcmha_implementation", "auto")]
+    columns = ["DCFormer"] if len(implementations) == 1 else [f"DC[{impl}]" for impl in implementations]
     print(f"training step (fwd+bwd+AdamW), batch {args.batch_size} x {args.block_size} tokens, {LAYERS} layers, "
-          f"vocab {VOCAB}, {where(device, args.threads)}, median of {args.repeats} interleaved (shared machine: noisy)")
-    print(f"{'size':>8} {'Transformer ms':>15} {'DCFormer ms':>12} {'DC/T':>6}")
+          f"vocab {VOCAB}, {where(device, args.threads)}, median of {args.repeats} interleaved (shared machine: noisy)"
+          f"; dcmha_implementation {', '.join(implementations)}")
+    print(f"{'size':>8} {'Transformer ms':>15}" + "".join(f" {c + ' ms':>16} {'DC/T':>6}" for c in columns))
     for hidden, heads in args.sizes:
         neox_cfg, dc_cfg = configs(hidden, heads, args.block_size, overrides)
         torch.manual_seed(0)
         ids = torch.randint(0, VOCAB, (args.batch_size, args.block_size), generator=torch.Generator().manual_seed(1))
         ids = ids.to(device)
-        steps = {
-            "transformer": make_step(GPTNeoXForCausalLM(neox_cfg).to(device), ids),
-            "dcformer": make_step(DCFormerForCausalLM(dc_cfg).to(device), ids),
-        }
+        dcformer = DCFormerForCausalLM(dc_cfg).to(device)
+        dc_step = make_step(dcformer, ids)
+
+        def with_implementation(implementation: str):
+            def step():
+                dcformer.config.dcmha_implementation = implementation  # read at every attention call
+                dc_step()
+
+            return step
+
+        steps = {"transformer": make_step(GPTNeoXForCausalLM(neox_cfg).to(device), ids)}
+        steps.update({column: with_implementation(impl) for column, impl in zip(columns, implementations)})
         for _ in range(args.warmup):
             for step in steps.values():
                 step()
         times = {kind: [] for kind in steps}
+        order = list(steps)
         for r in range(args.repeats):
-            for kind in (("transformer", "dcformer") if r % 2 == 0 else ("dcformer", "transformer")):
+            for kind in order if r % 2 == 0 else order[::-1]:
                 times[kind].append(timed(steps[kind], device))
-        t, d = statistics.median(times["transformer"]), statistics.median(times["dcformer"])
-        print(f"{hidden:>4}/{heads:<3} {t * 1e3:>15.1f} {d * 1e3:>12.1f} {d / t:>6.2f}", flush=True)
+        t = statistics.median(times["transformer"])
+        cells = "".join(f" {statistics.median(times[c]) * 1e3:>16.1f} {statistics.median(times[c]) / t:>6.2f}"
+                        for c in columns)
+        print(f"{hidden:>4}/{heads:<3} {t * 1e3:>15.1f}{cells}", flush=True)
         if args.profile:
             for kind, step in steps.items():
                 print(f"  profile of one {kind} step:\n{top_ops(step, args.rows, device)}", flush=True)

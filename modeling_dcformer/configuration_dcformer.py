@@ -107,7 +107,7 @@ class DCFormerConfig(PreTrainedConfig):
             local layers use chunks of at most max(64, window_size // 2) queries.
         attention_recompute (`bool`, True): in training, recompute each chunk's attention in the backward pass.
         dcmha_implementation (`str`, "auto"): how attention is computed (the same numbers to float rounding):
-            "eager" (the reference), "compiled", "kernel" (CPU, inference), "triton" (CUDA), "auto" (the fastest that
+            "eager" (the reference), "compiled", "kernel" (CPU), "triton" (CUDA), "auto" (the fastest that
             applies) or a registered backend; `attn_implementation` is a second name (its "sdpa", ... are an error).
         dynamic_init (`str`, "authors"): init of dw1, qkw, dd from a config: "authors" (their standard deviations:
             composition starts near the identity) or "normal" (`initializer_range`).

@@ -7,8 +7,11 @@ use with `torch.utils.cpp_extension` and the system's C++ compiler into `$DCFORM
 `~/.cache/dcformer`), in a folder named by a hash of the source, the flags, the torch version and the CPU. A build
 ends by writing a stamp with the library's checksum; a library that does not match its stamp (a crash mid-write, a
 corrupt file) is rebuilt, never loaded. The operator has a fake (meta) implementation, so torch.compile and export
-see it; its tiles run on PyTorch's intra-op thread pool (`at::parallel_for`). Forward only (no autograd): "auto"
-uses it where nothing needs gradients. This file is not part of a saved model's remote code.
+see it; its tiles run on PyTorch's intra-op thread pool (`at::parallel_for`). Training goes through
+`KernelAttention`: its backward pass recomputes each chunk's products and probabilities and runs the second operator,
+`torch.ops.dcformer.compose_softmax_compose_backward_` (the gradients of the products and of the composition
+factors, one query row at a time), so "auto" uses the kernel for training on CPU too. This file is not part of a
+saved model's remote code.
 """
 
 import hashlib
@@ -18,8 +21,10 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 from transformers.utils import logging
 
 from .dcmha_base import DCMHABackend, DCMHAInputs, join_chunks
@@ -27,6 +32,7 @@ from .dcmha_base import DCMHABackend, DCMHAInputs, join_chunks
 logger = logging.get_logger(__name__)
 
 MAX_RANK = 8  # dynamic_rank supported by the kernel (its per-block buffers are sized by it)
+MAX_HEADS_BACKWARD = 256  # heads per group its backward pass supports (MAX_HEADS in the source)
 SOURCE = Path(__file__).with_name("csrc") / "dcmha_cpu.cpp"
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 STAMP = "build.sha256"
@@ -88,7 +94,9 @@ def rows_per_tile(num_heads_per_group: int, keys: int, budget_floats: int = 1 <<
 
 
 class CPUKernelBackend(DCMHABackend):
-    """"kernel": per chunk, q.k into one buffer reused by every chunk, the operator in place on it, then @ v."""
+    """"kernel": per chunk, q.k into one buffer reused by every chunk, the operator in place on it, then @ v; with
+    gradients, `KernelAttention` (which recomputes each chunk in the backward pass, whatever `recompute` says: it
+    keeps nothing of a chunk)."""
 
     name = "kernel"
 
@@ -188,10 +196,12 @@ class CPUKernelBackend(DCMHABackend):
             return "no composition (use_dcmha=False)"
         if inputs.query.device.type != "cpu":
             return f"it runs on CPU, not on {inputs.query.device.type}"
-        if needs_grad(inputs):
-            return "it computes no gradients (training, or inputs that require grad)"
+        if needs_grad(inputs) and output_attentions:
+            return "it returns no gradient through the attention probabilities (output_attentions in training)"
         if inputs.rank > MAX_RANK:
             return f"it supports dynamic_rank <= {MAX_RANK}"
+        if needs_grad(inputs) and inputs.query.shape[1] // inputs.num_groups > MAX_HEADS_BACKWARD:
+            return f"its backward pass supports up to {MAX_HEADS_BACKWARD} heads a group"
         try:
             self.load()
         except RuntimeError as err:
@@ -200,32 +210,106 @@ class CPUKernelBackend(DCMHABackend):
 
     def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
         B, N, T, S, Dh = inputs.shapes
-        q = inputs.query.reshape(B * N, T, Dh)  # views where they can be (batch 1): the products take strides
-        k = inputs.key.reshape(B * N, S, Dh)
-        v = inputs.value.reshape(B * N, S, Dh)
         qt, kt = (None if t is None else t.float() for t in inputs.time_last_terms())
         pad = None if inputs.key_padding_mask is None else inputs.key_padding_mask.to(torch.uint8).contiguous()
-        probs_all = q.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
         spans = inputs.chunk_spans()
         if not spans:
-            return inputs.query.new_zeros(B, 0, N, Dh), probs_all
-        buffer = torch.empty(max(B * N * (t1 - t0) * (s1 - s0) for t0, t1, s0, s1 in spans), dtype=torch.float32)
-        outputs = []
-        for t0, t1, s0, s1 in spans:
+            probs = inputs.query.new_zeros(B, N, 0, S, dtype=torch.float32) if output_attentions else None
+            return inputs.query.new_zeros(B, 0, N, Dh), probs
+        call = KernelCall(spans, pad, inputs.query_start, inputs.key_start, inputs.window_size, Dh**-0.5, inputs.rank,
+                          inputs.num_groups)
+        if needs_grad(inputs):  # the forward pass keeps only its inputs; the backward pass recomputes each chunk
+            return KernelAttention.apply(call, inputs.query, inputs.key, inputs.value, qt, kt), None
+        return kernel_forward(call, inputs.query, inputs.key, inputs.value, qt, kt, output_attentions)
+
+
+class KernelCall(NamedTuple):
+    """What a kernel call needs besides its tensors: the chunks (`DCMHAInputs.chunk_spans`), the keys' padding
+    ([B, S] uint8 or None), the absolute index of the first query and key, the window, the scale, rank and groups."""
+
+    spans: list
+    pad: torch.Tensor | None
+    query_start: int
+    key_start: int
+    window_size: int | None
+    scale: float
+    rank: int
+    num_groups: int
+
+
+def kernel_forward(call: KernelCall, query, key, value, query_terms, key_terms, output_attentions: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per chunk: q.k into one buffer reused by every chunk, the operator in place on it, then @ v. Returns the
+    output [B, T, N, Dh] and, with `output_attentions`, the probabilities [B, N, T, S]."""
+    B, N, T, Dh = query.shape
+    S = key.shape[2]
+    q = query.reshape(B * N, T, Dh)  # views where they can be (batch 1): the products take strides
+    k = key.reshape(B * N, S, Dh)
+    v = value.reshape(B * N, S, Dh)
+    probs_all = q.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
+    buffer = torch.empty(max(B * N * (t1 - t0) * (s1 - s0) for t0, t1, s0, s1 in call.spans), dtype=torch.float32)
+    outputs = []
+    for t0, t1, s0, s1 in call.spans:
+        c, s = t1 - t0, s1 - s0
+        scores = buffer[: B * N * c * s].view(B * N, c, s)
+        if q.dtype == torch.float32:
+            torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2), out=scores)
+        else:  # products in the model's dtype, then fp32, as in the eager chunks
+            scores.copy_(torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2)))
+        chunk_probabilities(call, scores.view(B, N, c, s), query_terms, key_terms, t0, s0)
+        outputs.append(torch.bmm(scores.to(v.dtype), v[:, s0:s1]).view(B, N, c, Dh).transpose(1, 2))
+        if probs_all is not None:
+            probs_all[:, :, t0:t1, s0:s1] = scores.view(B, N, c, s)
+    return join_chunks(outputs), probs_all
+
+
+def chunk_probabilities(call: KernelCall, scores, query_terms, key_terms, t0: int, s0: int) -> torch.Tensor:
+    """The operator on one chunk's raw q.k products `scores` [B, N, c, s] (in place): its probabilities."""
+    return compose_softmax_compose(
+        scores, query_terms, t0, key_terms, s0, call.pad, call.query_start + t0, call.key_start + s0,
+        call.window_size, call.scale, call.rank, call.num_groups,
+    )  # fmt: skip
+
+
+class KernelAttention(torch.autograd.Function):
+    """`kernel_forward` with its gradient. The forward pass saves only its inputs (like `attention_recompute`, at no
+    extra cost: nothing of a chunk is kept); the backward pass recomputes each chunk's q.k products and probabilities
+    (fp32), then the backward operator gives the gradients of the products and of the factors, and the products'
+    gradients give those of q, k and v."""
+
+    @staticmethod
+    def forward(ctx, call: KernelCall, query, key, value, query_terms, key_terms):
+        ctx.call = call
+        ctx.save_for_backward(query, key, value, query_terms, key_terms)
+        return kernel_forward(call, query, key, value, query_terms, key_terms)[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        call = ctx.call
+        query, key, value, query_terms, key_terms = ctx.saved_tensors
+        B, N, T, Dh = query.shape
+        S = key.shape[2]
+        q, k, v = (x.reshape(B * N, -1, Dh).float() for x in (query, key, value))
+        grad = grad_output.transpose(1, 2).reshape(B * N, T, Dh).float()  # [B, T, N, Dh] -> [B*N, T, Dh]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dqt = torch.zeros_like(query_terms)
+        dkt = None if key_terms is None else torch.zeros_like(key_terms)
+        for t0, t1, s0, s1 in call.spans:
             c, s = t1 - t0, s1 - s0
-            scores = buffer[: B * N * c * s].view(B * N, c, s)
-            if q.dtype == torch.float32:
-                torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2), out=scores)
-            else:  # products in the model's dtype, then fp32, as in the eager chunks
-                scores.copy_(torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2)))
-            compose_softmax_compose(
-                scores.view(B, N, c, s), qt, t0, kt, s0, pad, inputs.query_start + t0, inputs.key_start + s0,
-                inputs.window_size, Dh**-0.5, inputs.rank, inputs.num_groups,
+            g = grad[:, t0:t1]
+            scores = torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2))  # the products, then the probabilities
+            dscores = torch.bmm(g, v[:, s0:s1].transpose(1, 2))  # the probabilities' gradient, then the products'
+            compose_softmax_compose_backward(
+                scores.view(B, N, c, s), dscores.view(B, N, c, s), query_terms, t0, key_terms, s0, call.pad,
+                call.query_start + t0, call.key_start + s0, call.window_size, call.scale, call.rank,
+                call.num_groups, dqt, dkt,
             )  # fmt: skip
-            outputs.append(torch.bmm(scores.to(v.dtype), v[:, s0:s1]).view(B, N, c, Dh).transpose(1, 2))
-            if probs_all is not None:
-                probs_all[:, :, t0:t1, s0:s1] = scores.view(B, N, c, s)
-        return join_chunks(outputs), probs_all
+            dv[:, s0:s1] += torch.bmm(scores.transpose(1, 2), g)
+            dq[:, t0:t1] = torch.bmm(dscores, k[:, s0:s1])
+            dk[:, s0:s1] += torch.bmm(dscores.transpose(1, 2), q[:, t0:t1])
+        shaped = (x.view(B, N, -1, Dh).to(t.dtype) for x, t in ((dq, query), (dk, key), (dv, value)))
+        return None, *shaped, dqt, dkt
 
 
 def register_fake() -> None:
@@ -236,6 +320,11 @@ def register_fake() -> None:
     @torch.library.register_fake("dcformer::compose_softmax_compose_")
     def _(scores, query_terms, t0, key_terms, s0, key_padding_mask, query_pos0, key_pos0, window, scale, rank,
           num_groups, rows, parallel):  # fmt: skip
+        return None
+
+    @torch.library.register_fake("dcformer::compose_softmax_compose_backward_")
+    def _(raw, grad, query_terms, t0, key_terms, s0, key_padding_mask, query_pos0, key_pos0, window, scale, rank,
+          num_groups, query_terms_grad, key_terms_grad, parallel):  # fmt: skip
         return None
 
     register_fake.done = True
@@ -288,3 +377,44 @@ def compose_softmax_compose(
     except RuntimeError as err:  # the operator's own argument checks
         raise ValueError(f"DCMHA CPU kernel: {str(err).splitlines()[0]}") from err
     return scores
+
+
+def compose_softmax_compose_backward(
+    raw: torch.Tensor,
+    grad: torch.Tensor,
+    query_terms: torch.Tensor,
+    t0: int,
+    key_terms: torch.Tensor | None,
+    s0: int,
+    key_padding_mask: torch.Tensor | None,
+    query_pos0: int,
+    key_pos0: int,
+    window_size: int | None,
+    scale: float,
+    rank: int,
+    num_groups: int,
+    query_terms_grad: torch.Tensor,
+    key_terms_grad: torch.Tensor | None,
+) -> torch.Tensor:
+    """The gradient of `compose_softmax_compose` for one chunk. raw: the chunk's q.k products [B, N, c, s] (as the
+    forward pass got them), overwritten with the probabilities (what `compose_softmax_compose` returns: the values'
+    gradient needs them); grad: the gradient of the probabilities, overwritten with the gradient of raw (returned). The factors' gradients are added to query_terms_grad and key_terms_grad (laid out
+    like the factors; key_terms_grad None exactly when key_terms is). Other arguments as `compose_softmax_compose`."""
+    KERNEL.load()
+    tensors = (("raw", raw), ("grad", grad), ("query_terms", query_terms), ("key_terms", key_terms),
+               ("query_terms_grad", query_terms_grad), ("key_terms_grad", key_terms_grad))
+    for name, tensor in tensors:
+        if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.is_cuda):
+            raise ValueError(f"the DCMHA CPU kernel takes contiguous float32 CPU tensors; {name} is not")
+    if rank > MAX_RANK:
+        raise ValueError(f"the DCMHA CPU kernel supports dynamic_rank <= {MAX_RANK}, got {rank}")
+    pad = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    B, N = raw.shape[:2]
+    try:
+        torch.ops.dcformer.compose_softmax_compose_backward_(
+            raw, grad, query_terms, t0, key_terms, s0, pad, query_pos0, key_pos0, window_size or 0, scale, rank,
+            num_groups, query_terms_grad, key_terms_grad, runs_parallel(raw.numel()) and B * num_groups > 1,
+        )  # fmt: skip
+    except RuntimeError as err:  # the operator's own argument checks
+        raise ValueError(f"DCMHA CPU kernel: {str(err).splitlines()[0]}") from err
+    return grad

@@ -61,8 +61,8 @@ class LazyBackend(DCMHABackend):
 
 
 def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):
-    """"auto": the CPU kernel where it can compute the call; else "compiled" for calls big enough to pay for the
-    compilation where torch.compile can generate code; else "eager"."""
+    """"auto": the CPU kernel where it can compute the call (inference and training on CPU); else "compiled" for
+    calls big enough to pay for the compilation where torch.compile can generate code; else "eager"."""
     backends = DCMHA_BACKENDS
     if backends["kernel"].why_not(inputs, output_attentions) is None:
         return backends["kernel"]

@@ -215,6 +215,23 @@ def test_profile_shapes_times_each_implementation_against_neox(monkeypatch, caps
                          r"+DC\[auto\]/NeoX [\d.]+$", line), line  # fmt: skip
 
 
+def test_bench_train_step_times_each_implementation_against_the_transformer(monkeypatch, capsys):
+    """`bench_train_step.py --implementation a,b`: one column per dcmha_implementation, each with its ratio; a name that
+    is not registered is an argparse error."""
+    spec = importlib.util.spec_from_file_location("bench_train_step", ROOT / "benchmarks" / "bench_train_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--sizes", "32/2", "--batch-size", "2", "--block-size", "8", "--warmup", "0", "--repeats", "1",
+            "--implementation", "eager,auto"]  # fmt: skip
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "dcmha_implementation eager, auto" in out
+    assert re.search(r"^ +32/2 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M), out
+    with pytest.raises(SystemExit):
+        module.parse_args(["--implementation", "eager,nope"])
+    assert "nope: not a dcmha_implementation" in capsys.readouterr().err
+
+
 def cuda_check_steps() -> dict[str, list[str]]:
     """{step name: its command's words} of benchmarks/cuda_check.sh, its variables ($bench, $dc) filled in."""
     text = (ROOT / "benchmarks" / "cuda_check.sh").read_text().replace("\\\n", " ")

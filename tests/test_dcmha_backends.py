@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
 BUILT_IN = ["eager", "compiled", "kernel", "triton"]
 # what each built-in backend computes (the conformance checks follow from it)
-GRADIENTS = {"eager": True, "compiled": True, "kernel": False, "triton": True}
+GRADIENTS = {"eager": True, "compiled": True, "kernel": True, "triton": True}
 
 
 def probe_inputs(requires_grad: bool = False) -> DCMHAInputs:
@@ -69,7 +69,10 @@ def backend(request):
 # still has each backend's logits, gradients, probabilities and decoding: Triton's decode and gradient steps in its
 # CPU interpreter (minutes), and "compiled" on one options set fewer (each set traces its own graphs).
 EXPENSIVE = pytest.mark.expensive
-TRITON_EXPENSIVE = ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)]  # gradients, decoding
+TRITON_EXPENSIVE = ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)]  # gradients
+# decoding: also "compiled" (each decode step a chunk of one query; on CPU "auto" decodes with the kernel, and
+# "compiled"'s forward is checked by the logits test)
+DECODE_BACKENDS = ["eager", pytest.param("compiled", marks=EXPENSIVE), "kernel", pytest.param("triton", marks=EXPENSIVE)]
 
 
 OPTIONS = {
@@ -152,7 +155,7 @@ def test_probabilities_match_eager(backend):
         assert_close(a, b)
 
 
-@pytest.mark.parametrize("backend", TRITON_EXPENSIVE)
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 def test_decoding_matches_full_forward(backend):
     backend = usable(backend)
     config = make_config(dcmha_implementation=backend, **SHARED)
@@ -197,13 +200,15 @@ def test_registry_lists_the_built_in_backends():
         assert DCMHA_BACKENDS[name].name == name
 
 
-def test_auto_picks_by_gradient_size_and_device(monkeypatch):
-    """"auto": the CPU kernel where nothing needs a gradient (when it builds here); "compiled" for calls of at least
-    AUTO_COMPILE_MIN_SCORES scores that need gradients; "eager" below it or where nothing can be compiled."""
+def test_auto_picks_by_size_and_device(monkeypatch):
+    """"auto": the CPU kernel, for inference and training (when it builds here); where it cannot run, "compiled" for
+    calls of at least AUTO_COMPILE_MIN_SCORES scores; "eager" below it or where nothing can be compiled."""
     kernel_ok = DCMHA_BACKENDS["kernel"].why_not(probe_inputs()) is None
+    training = probe_inputs(requires_grad=True)
     with torch.no_grad():
         assert dcmha.choose_auto(probe_inputs()).name == ("kernel" if kernel_ok else "eager")
-    training = probe_inputs(requires_grad=True)
+    assert dcmha.choose_auto(training).name == ("kernel" if kernel_ok else "eager")
+    monkeypatch.setattr(DCMHA_BACKENDS["kernel"], "why_not", lambda *a: "not here")  # say, on a GPU
     assert dcmha.choose_auto(training).name == "eager"  # 4 x 5 x 5 scores: below the threshold
     monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", training.num_scores)
     monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: True)

@@ -111,10 +111,13 @@ def test_compiled_stages_do_not_recompile_for_new_lengths():
         torch._dynamo.reset()
 
 
-@pytest.mark.slow
+@pytest.mark.expensive
 def test_inductor_model_forward_backward_matches_oracle():
     """The generated kernels themselves: a training step of a whole model (local and global layers, padding,
-    chunks recomputed in the backward pass) with "compiled" against "eager" and the oracle."""
+    chunks recomputed in the backward pass) with "compiled" against "eager" and the oracle. `pytest -m expensive`:
+    on CPU "auto" trains with the C++ kernel, and the default run checks "compiled"'s tracing, autograd and written-out
+    gradient through aot_eager (test_dcmha_backends.py, test_compose_backward_matches_oracle_gradients); the GPU tests
+    run it through Inductor on CUDA."""
     if not dcmha.compile_supported(torch.device("cpu")):
         pytest.skip("no C++ compiler for Inductor")
     torch._dynamo.reset()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from modeling_dcformer import DCFormerCache, DCFormerConfig, DCFormerForCausalLM, DCFormerModel
+from modeling_dcformer import DCFormerCache, DCFormerConfig, DCFormerForCausalLM, DCFormerModel, cpu_kernel
 
 # Configurations the equivalence tests sweep: global only, local windows smaller than the sequences, the
 # query-wise ablation, qk-norm, head groups and the LLaMA-style body.
@@ -752,11 +752,13 @@ def test_attention_chunk_size_and_recompute_do_not_change_training(tiny_model, b
 
 def test_attention_recompute_saves_chunk_intermediates(tiny_model):
     """Guard that the recompute path is taken: with it, the attention's backward re-runs the forward of its
-    chunks, so fewer tensors are saved for backward during the forward pass."""
+    chunks, so fewer tensors are saved for backward during the forward pass ("eager"). The CPU kernel always
+    recomputes: without the flag it too saves less than "eager" without it (its inputs, no chunk's scores)."""
     ids = rand_ids(2, 12)
 
-    def saved_numel(recompute):
-        model = tiny_model(window_size=3, attention_chunk_size=4, attention_recompute=recompute).train()
+    def saved_numel(recompute, implementation="eager"):
+        model = tiny_model(window_size=3, attention_chunk_size=4, attention_recompute=recompute,
+                           dcmha_implementation=implementation).train()
         total = [0]
 
         def pack(t):
@@ -769,6 +771,8 @@ def test_attention_recompute_saves_chunk_intermediates(tiny_model):
         return total[0]
 
     assert saved_numel(True) < saved_numel(False)
+    if cpu_kernel.available():
+        assert saved_numel(False, "kernel") < saved_numel(False)
 
 
 @CHUNK_BODIES

@@ -15,6 +15,7 @@
 
 #define BLOCK 128      /* keys per block: the rows of a tile share the block's key factors, copied to L1 */
 #define MAX_RANK 8
+#define MAX_HEADS 256  /* heads per group the backward pass supports */
 
 /* exp(x) for x <= 0 (Cephes' expf polynomial, within 2 ulp), 0 below -87.3; written so that loops vectorise */
 static inline float exp_nonpos(float x) {
@@ -273,10 +274,293 @@ static void compose_softmax_compose_(const at::Tensor &scores, const at::Tensor 
         run(0, B * G * ntiles);
 }
 
+/* ---------------------------------------------------------------------------------------------------------------
+   The backward pass (training): dcformer::compose_softmax_compose_backward_. For each query row it recomputes the
+   row's forward pass from the raw q.k scores (Compose before the softmax, mask, softmax, Compose after it: the
+   probabilities, returned for the values' gradient), then takes the gradient of the probabilities back through
+   Compose after the softmax, the softmax and Compose before it. A row's M x s values stay in the core's cache; each
+   Compose and its gradient work on 16 keys at a time with the hidden values and their gradients in registers; the
+   row's factor gradients are summed in 16 lanes, the keys' factor gradients (summed over the rows) in a buffer. */
+
+/* sum_j x[j] over n values, n a multiple of 16 */
+static inline float total(const float *__restrict__ x, int n) {
+    vf acc = vf{};
+    for (int j = 0; j < n; j += VW) acc += load(x + j);
+    float sum = 0.0f;
+    for (int l = 0; l < VW; l++) sum += acc[l];
+    return sum;
+}
+
+/* 8 floats: one AVX register (the backward pass keeps more vectors live than the forward pass) */
+typedef float v8 __attribute__((vector_size(32)));
+#define V8 8
+static inline v8 load8(const float *p) { v8 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* Compose of keys j..j+7 of one row: a, out [M][sv] (the step's input, scale applied, and its output); q [W][M] the
+   row's factors; k [W][M][sv] the keys' factors or NULL (query-wise). */
+static inline __attribute__((always_inline)) void compose_keys8(const float *__restrict__ a, float *__restrict__ out,
+                                                                 int sv, int j, int M, int I, const float *q,
+                                                                 const float *k) {
+    v8 hq[MAX_RANK], hk[MAX_RANK];
+    for (int i = 0; i < I; i++) hq[i] = hk[i] = v8{};
+    for (int n = 0; n < M; n++) {
+        const v8 x = load8(a + n * sv + j);
+        for (int i = 0; i < I; i++) {
+            hq[i] += x * q[i * M + n];
+            if (k) hk[i] += x * load8(k + (i * M + n) * sv + j);
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        const v8 x = load8(a + m * sv + j);
+        v8 o = x * (1.0f + q[2 * I * M + m]);
+        for (int i = 0; i < I; i++) o += hq[i] * q[(I + i) * M + m];
+        if (k) {
+            o += x * load8(k + (2 * I * M + m) * sv + j);
+            for (int i = 0; i < I; i++) o += hk[i] * load8(k + ((I + i) * M + m) * sv + j);
+        }
+        store8(out + m * sv + j, o);
+    }
+}
+
+/* The gradient of compose_keys8 for keys j..j+7: given the input a and the output's gradient g ([M][sv]), writes
+   the input's gradient da; adds the row's factor gradients to dq ([W][M] accumulators of 8 lanes) and the keys'
+   to dk (laid out like k). */
+static inline __attribute__((always_inline)) void compose_keys8_backward(
+        const float *__restrict__ a, const float *__restrict__ g, float *__restrict__ da, int sv, int j, int M, int I,
+        const float *q, const float *k, v8 *__restrict__ dq, float *__restrict__ dk) {
+    v8 hq[MAX_RANK], hk[MAX_RANK], gq[MAX_RANK], gk[MAX_RANK];  /* hidden values and their gradients */
+    for (int i = 0; i < I; i++) hq[i] = hk[i] = gq[i] = gk[i] = v8{};
+    for (int n = 0; n < M; n++) {
+        const v8 x = load8(a + n * sv + j), y = load8(g + n * sv + j);
+        for (int i = 0; i < I; i++) {
+            hq[i] += x * q[i * M + n];
+            gq[i] += y * q[(I + i) * M + n];
+            if (k) {
+                hk[i] += x * load8(k + (i * M + n) * sv + j);
+                gk[i] += y * load8(k + ((I + i) * M + n) * sv + j);
+            }
+        }
+    }
+    for (int n = 0; n < M; n++) {
+        const v8 x = load8(a + n * sv + j), y = load8(g + n * sv + j);
+        v8 d = y * (1.0f + q[2 * I * M + n]);
+        dq[2 * I * M + n] += y * x;
+        for (int i = 0; i < I; i++) {
+            d += gq[i] * q[i * M + n];
+            dq[i * M + n] += gq[i] * x;
+            dq[(I + i) * M + n] += y * hq[i];
+        }
+        if (k) {
+            d += y * load8(k + (2 * I * M + n) * sv + j);
+            float *dd = dk + (2 * I * M + n) * sv + j;
+            store8(dd, load8(dd) + y * x);
+            for (int i = 0; i < I; i++) {
+                d += gk[i] * load8(k + (i * M + n) * sv + j);
+                float *w1 = dk + (i * M + n) * sv + j, *w2 = dk + ((I + i) * M + n) * sv + j;
+                store8(w1, load8(w1) + gk[i] * x);
+                store8(w2, load8(w2) + y * hk[i]);
+            }
+        }
+        store8(da + n * sv + j, d);
+    }
+}
+
+/* The two over a whole row (sv keys, a multiple of 16), compiled apart for rank 2 (the presets') with 4, 8, 12 or 16
+   heads a group, and for rank 1 (the loops over i and n unroll), key-wise or query-wise. */
+#define DISPATCH(ROW)                                             \
+    if (I == 2 && M == 4 && k) ROW(4, 2, k);                      \
+    else if (I == 2 && M == 8 && k) ROW(8, 2, k);                 \
+    else if (I == 2 && M == 12 && k) ROW(12, 2, k);               \
+    else if (I == 2 && M == 16 && k) ROW(16, 2, k);               \
+    else if (I == 2 && k) ROW(M, 2, k);                           \
+    else if (I == 1 && k) ROW(M, 1, k);                           \
+    else if (k) ROW(M, I, k);                                     \
+    else ROW(M, I, static_cast<const float *>(nullptr));
+
+static void compose_row(const float *a, float *out, int sv, int M, int I, const float *q, const float *k) {
+#define ROW(HEADS, RANK, K) for (int j = 0; j < sv; j += V8) compose_keys8(a, out, sv, j, HEADS, RANK, q, K)
+    DISPATCH(ROW)
+#undef ROW
+}
+
+static void compose_row_backward(const float *a, const float *g, float *da, int sv, int M, int I, const float *q,
+                                 const float *k, v8 *dq, float *dk) {
+#define ROW(HEADS, RANK, K) \
+    for (int j = 0; j < sv; j += V8) compose_keys8_backward(a, g, da, sv, j, HEADS, RANK, q, K, dq, dk)
+    DISPATCH(ROW)
+#undef ROW
+}
+#undef DISPATCH
+
+/* The backward pass of one batch x group bg over the chunk's c query rows: raw [B, G*M, c, s], the q.k products,
+   overwritten with the probabilities (the forward pass's output); grad [B, G*M, c, s], the gradient of the
+   probabilities on entry and of raw on return. Factors and their gradients: [B, G, 2, 2I+1, M, T or S], time last
+   (dkt NULL when kt is). */
+static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int s, int I, const float *qt, float *dqt,
+                              int64_t T, int64_t t0, const float *kt, float *dkt, int64_t S, int64_t s0,
+                              const uint8_t *pad, int64_t pad_stride, int64_t qpos0, int64_t kpos0, int64_t window,
+                              float scale, int64_t bg) {
+    const int W = 2 * I + 1, sv = (s + VW - 1) / VW * VW, F = W * M;
+    const size_t row = (size_t)M * sv, kfs = kt ? (size_t)F * sv : 0;
+    /* x0: the scaled raw row; p: Compose before the softmax, then the softmax; gp: a gradient; d: an input's
+       gradient, or the output; the keys' factors of both slots (padded to sv) and their gradients; the row's
+       factors; the row's factor gradients (16 lanes each); the row's visible keys (1 or 0) */
+    std::vector<float> buffer(4 * row + 4 * kfs + 2 * F + sv);
+    std::vector<v8> dqv(2 * F);
+    float *x0 = buffer.data(), *p = x0 + row, *gp = p + row, *d = gp + row;
+    float *kf = d + row, *dkf = kf + 2 * kfs, *qf = dkf + 2 * kfs, *vis = qf + 2 * F;
+    const int64_t b = bg / G;
+    const uint8_t *pd = pad ? pad + b * pad_stride + s0 : nullptr;
+    for (int slot = 0; slot < 2 && kt; slot++)
+        for (int w = 0; w < F; w++) {
+            const float *src = kt + ((bg * 2 + slot) * F + w) * S + s0;
+            float *dst = kf + slot * kfs + (size_t)w * sv;
+            for (int j = 0; j < sv; j++) dst[j] = j < s ? src[j] : 0.0f;
+        }
+    const float *k[2] = {kt ? kf : nullptr, kt ? kf + kfs : nullptr};
+    float *dk[2] = {dkf, dkf + kfs};
+    for (int r = 0; r < c; r++) {
+        const int64_t qpos = qpos0 + r;
+        int64_t lo = window > 0 ? qpos - window + 1 - kpos0 : 0, hi = qpos + 1 - kpos0;
+        lo = lo < 0 ? 0 : lo;
+        hi = hi > s ? s : hi;
+        for (int j = 0; j < sv; j++) vis[j] = j >= lo && j < hi && (!pd || pd[j]) ? 1.0f : 0.0f;
+        for (int slot = 0; slot < 2; slot++)
+            for (int w = 0; w < F; w++) qf[slot * F + w] = qt[((bg * 2 + slot) * F + w) * T + t0 + r];
+        for (int w = 0; w < 2 * F; w++) dqv[w] = v8{};
+        float *raw_row[MAX_HEADS], *grad_row[MAX_HEADS];
+        for (int n = 0; n < M; n++) {
+            raw_row[n] = raw + ((bg * M + n) * (int64_t)c + r) * s;
+            grad_row[n] = grad + ((bg * M + n) * (int64_t)c + r) * s;
+            for (int j = 0; j < sv; j++) x0[n * sv + j] = j < s ? raw_row[n][j] * scale : 0.0f;
+        }
+        /* the forward pass: Compose, mask, softmax (the rows in p), Compose (in d) */
+        compose_row(x0, p, sv, M, I, qf, k[0]);
+        for (int m = 0; m < M; m++) {
+            float *o = p + (size_t)m * sv, top = -FLT_MAX;
+            for (int j = 0; j < sv; j++) o[j] = vis[j] != 0.0f || j >= s ? o[j] : -FLT_MAX;
+            for (int j = 0; j < s; j++) top = o[j] > top ? o[j] : top;
+            for (int j = 0; j < sv; j++) o[j] = j < s ? exp_nonpos(o[j] - top) : 0.0f;
+            const float inv = 1.0f / total(o, sv);
+            for (int j = 0; j < sv; j++) o[j] *= inv;
+        }
+        compose_row(p, d, sv, M, I, qf + F, k[1]);
+        for (int n = 0; n < M; n++) {
+            for (int j = 0; j < s; j++) raw_row[n][j] = d[n * sv + j] * vis[j];
+            for (int j = 0; j < sv; j++) gp[n * sv + j] = j < s ? grad_row[n][j] * vis[j] : 0.0f;
+        }
+        /* the gradient: Compose after the softmax, the softmax, Compose before it (masked outputs get none) */
+        compose_row_backward(p, gp, d, sv, M, I, qf + F, k[1], dqv.data() + F, dk[1]);
+        for (int m = 0; m < M; m++) {
+            const float *pm = p + (size_t)m * sv, *dm = d + (size_t)m * sv;
+            float *gm = gp + (size_t)m * sv;
+            vf acc = vf{};
+            for (int j = 0; j < sv; j += VW) acc += load(pm + j) * load(dm + j);
+            float mean = 0.0f;
+            for (int l = 0; l < VW; l++) mean += acc[l];
+            for (int j = 0; j < sv; j++) gm[j] = pm[j] * (dm[j] - mean) * vis[j];
+        }
+        compose_row_backward(x0, gp, d, sv, M, I, qf, k[0], dqv.data(), dk[0]);
+        for (int n = 0; n < M; n++)
+            for (int j = 0; j < s; j++) grad_row[n][j] = d[n * sv + j] * scale;
+        for (int w = 0; w < 2 * F; w++) {
+            float sum = 0.0f;
+            for (int l = 0; l < V8; l++) sum += dqv[w][l];
+            const int slot = w / F;
+            dqt[((bg * 2 + slot) * F + w % F) * T + t0 + r] += sum;
+        }
+    }
+    for (int slot = 0; slot < 2 && kt; slot++)
+        for (int w = 0; w < F; w++) {
+            float *dst = dkt + ((bg * 2 + slot) * F + w) * S + s0;
+            const float *src = dkf + slot * kfs + (size_t)w * sv;
+            for (int j = 0; j < s; j++) dst[j] += src[j];
+        }
+}
+
+/* dcformer::compose_softmax_compose_backward_: the chunk's gradient. raw: the chunk's q.k products (as the forward
+   pass got them), overwritten with the probabilities (the values' gradient needs them); grad: the gradient of the
+   probabilities, overwritten with the gradient of raw;
+   query_terms_grad, key_terms_grad: the factors' gradients, added to (laid out like the factors). Batch x group
+   pairs run on PyTorch's intra-op threads when `parallel` (each writes only its own factors' gradients). */
+static void compose_softmax_compose_backward_(const at::Tensor &raw, const at::Tensor &grad,
+                                              const at::Tensor &query_terms, int64_t t0,
+                                              const std::optional<at::Tensor> &key_terms, int64_t s0,
+                                              const std::optional<at::Tensor> &key_padding_mask, int64_t query_pos0,
+                                              int64_t key_pos0, int64_t window, double scale, int64_t rank,
+                                              int64_t num_groups, const at::Tensor &query_terms_grad,
+                                              const std::optional<at::Tensor> &key_terms_grad, bool parallel) {
+    auto fp32_cpu = [](const at::Tensor &t, const char *name) {
+        TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                    "the DCMHA CPU kernel takes contiguous float32 CPU tensors; ", name, " is not");
+    };
+    fp32_cpu(raw, "raw");
+    fp32_cpu(grad, "grad");
+    fp32_cpu(query_terms, "query_terms");
+    fp32_cpu(query_terms_grad, "query_terms_grad");
+    TORCH_CHECK(raw.dim() == 4 && grad.sizes().equals(raw.sizes()), "raw and grad must be [B, N, c, s] alike");
+    const int64_t B = raw.size(0), N = raw.size(1), c = raw.size(2), s = raw.size(3), G = num_groups;
+    TORCH_CHECK(rank >= 1 && rank <= MAX_RANK, "the DCMHA CPU kernel supports 1 <= dynamic_rank <= ", MAX_RANK);
+    TORCH_CHECK(G >= 1 && N % G == 0, "bad num_groups");
+    const int64_t M = N / G, W = 2 * rank + 1;
+    TORCH_CHECK(M <= MAX_HEADS, "the DCMHA CPU kernel's backward pass supports up to ", MAX_HEADS, " heads a group");
+    TORCH_CHECK(query_terms.dim() == 6 && query_terms.size(0) == B && query_terms.size(1) == G &&
+                    query_terms.size(2) == 2 && query_terms.size(3) == W && query_terms.size(4) == M,
+                "scores ", raw.sizes(), " do not match the query factors ", query_terms.sizes());
+    TORCH_CHECK(query_terms_grad.sizes().equals(query_terms.sizes()), "query_terms_grad must match query_terms");
+    const int64_t T = query_terms.size(5);
+    TORCH_CHECK(t0 >= 0 && t0 + c <= T, "queries [", t0, ", ", t0 + c, ") outside the ", T, " of query_terms");
+    const float *kt = nullptr;
+    float *dkt = nullptr;
+    int64_t S = 0;
+    TORCH_CHECK(key_terms.has_value() == key_terms_grad.has_value(), "key_terms and key_terms_grad go together");
+    if (key_terms.has_value()) {
+        fp32_cpu(*key_terms, "key_terms");
+        fp32_cpu(*key_terms_grad, "key_terms_grad");
+        TORCH_CHECK(key_terms->dim() == 6 && key_terms->sizes().slice(0, 5).equals(query_terms.sizes().slice(0, 5)),
+                    "key factors ", key_terms->sizes(), " do not match the query factors ", query_terms.sizes());
+        TORCH_CHECK(key_terms_grad->sizes().equals(key_terms->sizes()), "key_terms_grad must match key_terms");
+        S = key_terms->size(5);
+        TORCH_CHECK(s0 >= 0 && s0 + s <= S, "keys [", s0, ", ", s0 + s, ") outside the ", S, " of key_terms");
+        kt = key_terms->data_ptr<float>();
+        dkt = key_terms_grad->data_ptr<float>();
+    }
+    const uint8_t *pad = nullptr;
+    int64_t pad_stride = 0;
+    if (key_padding_mask.has_value()) {
+        const at::Tensor &p = *key_padding_mask;
+        TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 &&
+                        p.size(0) == B && s0 >= 0 && s0 + s <= p.size(1),
+                    "key_padding_mask ", p.sizes(), " must be contiguous uint8 covering batch ", B, ", keys [", s0,
+                    ", ", s0 + s, ")");
+        pad = p.data_ptr<uint8_t>();
+        pad_stride = p.size(1);
+    }
+    const float *qt = query_terms.data_ptr<float>();
+    float *rp = raw.data_ptr<float>(), *gp = grad.data_ptr<float>(), *dqt = query_terms_grad.data_ptr<float>();
+    auto run = [&](int64_t begin, int64_t end) {
+        for (int64_t bg = begin; bg < end; bg++)
+            dcmha_backward_bg(rp, gp, (int)G, (int)M, (int)c, (int)s, (int)rank, qt, dqt, T, t0, kt, dkt, S, s0,
+                              pad, pad_stride, query_pos0, key_pos0, window, (float)scale, bg);
+    };
+    if (parallel)
+        at::parallel_for(0, B * G, 1, run);
+    else
+        run(0, B * G);
+}
+
 TORCH_LIBRARY(dcformer, m) {
     m.def("compose_softmax_compose_(Tensor(a!) scores, Tensor query_terms, int t0, Tensor? key_terms, int s0, "
           "Tensor? key_padding_mask, int query_pos0, int key_pos0, int window, float scale, int rank, "
           "int num_groups, int rows, bool parallel) -> ()");
+    m.def("compose_softmax_compose_backward_(Tensor(a!) raw, Tensor(b!) grad, Tensor query_terms, int t0, "
+          "Tensor? key_terms, int s0, Tensor? key_padding_mask, int query_pos0, int key_pos0, int window, "
+          "float scale, int rank, int num_groups, Tensor(c!) query_terms_grad, Tensor(d!)? key_terms_grad, "
+          "bool parallel) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(dcformer, CPU, m) { m.impl("compose_softmax_compose_", compose_softmax_compose_); }
+TORCH_LIBRARY_IMPL(dcformer, CPU, m) {
+    m.impl("compose_softmax_compose_", compose_softmax_compose_);
+    m.impl("compose_softmax_compose_backward_", compose_softmax_compose_backward_);
+}
