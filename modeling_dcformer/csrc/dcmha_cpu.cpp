@@ -396,87 +396,127 @@ static void compose_row_backward(const float *a, const float *g, float *da, int 
 /* The backward pass of one batch x group bg over the chunk's c query rows: raw [B, G*M, c, s], the q.k products,
    overwritten with the probabilities (the forward pass's output); grad [B, G*M, c, s], the gradient of the
    probabilities on entry and of raw on return. Factors and their gradients: [B, G, 2, 2I+1, M, T or S], time last
-   (dkt NULL when kt is). */
+   (dkt NULL when kt is). A tile of BWD_ROWS rows goes over the keys in blocks of BLOCK three times, so that a block's
+   key factors and their gradients stay in cache for all the tile's rows (a whole row's would not, at thousands of
+   keys): (0) Compose before the softmax, each row's running maximum and sum (an online softmax); (1) the softmax,
+   the gradient through Compose after it (dP -> dp, written over grad) and each row's sum of p dp; (2) the softmax
+   again, Compose after it (the probabilities, written over raw once read), the softmax's gradient and the gradient
+   through Compose before it (written over grad). Compose before the softmax is computed in each pass: cheaper than
+   keeping it. */
+#define BWD_ROWS 16
 static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int s, int I, const float *qt, float *dqt,
                               int64_t T, int64_t t0, const float *kt, float *dkt, int64_t S, int64_t s0,
                               const uint8_t *pad, int64_t pad_stride, int64_t qpos0, int64_t kpos0, int64_t window,
                               float scale, int64_t bg) {
-    const int W = 2 * I + 1, sv = (s + VW - 1) / VW * VW, F = W * M;
-    const size_t row = (size_t)M * sv, kfs = kt ? (size_t)F * sv : 0;
-    /* x0: the scaled raw row; p: Compose before the softmax, then the softmax; gp: a gradient; d: an input's
-       gradient, or the output; the keys' factors of both slots (padded to sv) and their gradients; the row's
-       factors; the row's factor gradients (16 lanes each); the row's visible keys (1 or 0) */
-    std::vector<float> buffer(4 * row + 4 * kfs + 2 * F + sv);
-    std::vector<v8> dqv(2 * F);
-    float *x0 = buffer.data(), *p = x0 + row, *gp = p + row, *d = gp + row;
-    float *kf = d + row, *dkf = kf + 2 * kfs, *qf = dkf + 2 * kfs, *vis = qf + 2 * F;
+    const int W = 2 * I + 1, F = W * M;
+    const size_t rowb = (size_t)M * BLOCK, kfb = kt ? (size_t)F * BLOCK : 0, stats = (size_t)BWD_ROWS * M;
+    /* per row and block: x0 the scaled products, p the probabilities (before Compose after the softmax), gp a
+       gradient, d an input's gradient or an output; the block's key factors of both slots and their gradients;
+       the tile's factors; the block's visible keys of a row (1 or 0); per row and head: the running maximum, the
+       sum (then its inverse), the sum of p dp; per row: its factor gradients (8 lanes each) */
+    std::vector<float> buffer(4 * rowb + 4 * kfb + (size_t)2 * F * BWD_ROWS + BLOCK + 3 * stats);
+    std::vector<v8> dqv((size_t)BWD_ROWS * 2 * F);
+    float *x0 = buffer.data(), *p = x0 + rowb, *gp = p + rowb, *d = gp + rowb;
+    float *kf = d + rowb, *dkf = kf + 2 * kfb, *qf = dkf + 2 * kfb, *vis = qf + (size_t)2 * F * BWD_ROWS;
+    float *top = vis + BLOCK, *sum = top + stats, *mean = sum + stats;
     const int64_t b = bg / G;
     const uint8_t *pd = pad ? pad + b * pad_stride + s0 : nullptr;
-    for (int slot = 0; slot < 2 && kt; slot++)
-        for (int w = 0; w < F; w++) {
-            const float *src = kt + ((bg * 2 + slot) * F + w) * S + s0;
-            float *dst = kf + slot * kfs + (size_t)w * sv;
-            for (int j = 0; j < sv; j++) dst[j] = j < s ? src[j] : 0.0f;
+    for (int r0 = 0; r0 < c; r0 += BWD_ROWS) {
+        const int R = c - r0 < BWD_ROWS ? c - r0 : BWD_ROWS;
+        for (int rr = 0; rr < R; rr++)
+            for (int w = 0; w < 2 * F; w++) {
+                const int slot = w / F;
+                qf[rr * 2 * F + w] = qt[((bg * 2 + slot) * F + w % F) * T + t0 + r0 + rr];
+                dqv[rr * 2 * F + w] = v8{};
+            }
+        for (size_t i = 0; i < stats; i++) top[i] = -FLT_MAX, sum[i] = 0.0f, mean[i] = 0.0f;
+        for (int phase = 0; phase < 3; phase++) {
+            for (int j0 = 0; j0 < s; j0 += BLOCK) {
+                const int L = s - j0 < BLOCK ? s - j0 : BLOCK, Lv = (L + VW - 1) / VW * VW;
+                for (int slot = 0; slot < 2 && kt; slot++)
+                    for (int w = 0; w < F; w++) {
+                        const float *src = kt + ((bg * 2 + slot) * F + w) * S + s0 + j0;
+                        float *dst = kf + slot * kfb + (size_t)w * Lv, *dd = dkf + slot * kfb + (size_t)w * Lv;
+                        for (int j = 0; j < Lv; j++) dst[j] = j < L ? src[j] : 0.0f, dd[j] = 0.0f;
+                    }
+                const float *k0 = kt ? kf : nullptr, *k1 = kt ? kf + kfb : nullptr;
+                for (int rr = 0; rr < R; rr++) {
+                    const int r = r0 + rr;
+                    const int64_t qpos = qpos0 + r, k0pos = kpos0 + j0;
+                    int64_t lo = window > 0 ? qpos - window + 1 - k0pos : 0, hi = qpos + 1 - k0pos;
+                    lo = lo < 0 ? 0 : lo;
+                    hi = hi > L ? L : hi;
+                    for (int j = 0; j < Lv; j++) vis[j] = j >= lo && j < hi && (!pd || pd[j0 + j]) ? 1.0f : 0.0f;
+                    float *raw_row[MAX_HEADS], *grad_row[MAX_HEADS];
+                    for (int n = 0; n < M; n++) {
+                        raw_row[n] = raw + ((bg * M + n) * (int64_t)c + r) * s + j0;
+                        grad_row[n] = grad + ((bg * M + n) * (int64_t)c + r) * s + j0;
+                        for (int j = 0; j < Lv; j++) x0[n * Lv + j] = j < L ? raw_row[n][j] * scale : 0.0f;
+                    }
+                    const float *q0 = qf + rr * 2 * F, *q1 = q0 + F;
+                    float *tp = top + rr * M, *sm = sum + rr * M, *mn = mean + rr * M;
+                    compose_row(x0, p, Lv, M, I, q0, k0);  /* Compose before the softmax */
+                    for (int m = 0; m < M; m++) {
+                        float *o = p + (size_t)m * Lv;
+                        for (int j = 0; j < L; j++) o[j] = vis[j] != 0.0f ? o[j] : -FLT_MAX;
+                        if (phase == 0) {  /* the running maximum and sum */
+                            float bm = -FLT_MAX;
+                            for (int j = 0; j < L; j++) bm = o[j] > bm ? o[j] : bm;
+                            const float nm = bm > tp[m] ? bm : tp[m];
+                            for (int j = 0; j < L; j++) o[j] = exp_nonpos(o[j] - nm);
+                            for (int j = L; j < Lv; j++) o[j] = 0.0f;
+                            sm[m] = sm[m] * exp_nonpos(tp[m] - nm) + total(o, Lv);
+                            tp[m] = nm;
+                        } else {  /* the softmax (sm holds 1 / sum here) */
+                            for (int j = 0; j < L; j++) o[j] = exp_nonpos(o[j] - tp[m]) * sm[m];
+                            for (int j = L; j < Lv; j++) o[j] = 0.0f;
+                        }
+                    }
+                    if (phase == 0) continue;
+                    v8 *dq = dqv.data() + rr * 2 * F;
+                    if (phase == 1) {  /* dP -> dp through Compose after the softmax; sum of p dp */
+                        for (int n = 0; n < M; n++)
+                            for (int j = 0; j < Lv; j++) gp[n * Lv + j] = j < L ? grad_row[n][j] * vis[j] : 0.0f;
+                        compose_row_backward(p, gp, d, Lv, M, I, q1, k1, dq + F, dkf + kfb);
+                        for (int n = 0; n < M; n++) {
+                            v8 acc = v8{};
+                            for (int j = 0; j < Lv; j += V8) acc += load8(p + n * Lv + j) * load8(d + n * Lv + j);
+                            for (int l = 0; l < V8; l++) mn[n] += acc[l];
+                            for (int j = 0; j < L; j++) grad_row[n][j] = d[n * Lv + j];
+                        }
+                        continue;
+                    }
+                    /* phase 2: the probabilities over raw; the softmax's gradient; Compose before it */
+                    compose_row(p, d, Lv, M, I, q1, k1);
+                    for (int n = 0; n < M; n++) {
+                        for (int j = 0; j < L; j++) raw_row[n][j] = d[n * Lv + j] * vis[j];
+                        for (int j = 0; j < Lv; j++)
+                            gp[n * Lv + j] = j < L ? p[n * Lv + j] * (grad_row[n][j] - mn[n]) * vis[j] : 0.0f;
+                    }
+                    compose_row_backward(x0, gp, d, Lv, M, I, q0, k0, dq, dkf);
+                    for (int n = 0; n < M; n++)
+                        for (int j = 0; j < L; j++) grad_row[n][j] = d[n * Lv + j] * scale;
+                }
+                if (phase > 0 && kt) {  /* the block's key factor gradients of this slot, summed over the tile */
+                    const int slot = phase == 1 ? 1 : 0;
+                    for (int w = 0; w < F; w++) {
+                        float *dst = dkt + ((bg * 2 + slot) * F + w) * S + s0 + j0;
+                        const float *src = dkf + slot * kfb + (size_t)w * Lv;
+                        for (int j = 0; j < L; j++) dst[j] += src[j];
+                    }
+                }
+            }
+            if (phase == 0)
+                for (size_t i = 0; i < stats; i++) sum[i] = 1.0f / sum[i];
         }
-    const float *k[2] = {kt ? kf : nullptr, kt ? kf + kfs : nullptr};
-    float *dk[2] = {dkf, dkf + kfs};
-    for (int r = 0; r < c; r++) {
-        const int64_t qpos = qpos0 + r;
-        int64_t lo = window > 0 ? qpos - window + 1 - kpos0 : 0, hi = qpos + 1 - kpos0;
-        lo = lo < 0 ? 0 : lo;
-        hi = hi > s ? s : hi;
-        for (int j = 0; j < sv; j++) vis[j] = j >= lo && j < hi && (!pd || pd[j]) ? 1.0f : 0.0f;
-        for (int slot = 0; slot < 2; slot++)
-            for (int w = 0; w < F; w++) qf[slot * F + w] = qt[((bg * 2 + slot) * F + w) * T + t0 + r];
-        for (int w = 0; w < 2 * F; w++) dqv[w] = v8{};
-        float *raw_row[MAX_HEADS], *grad_row[MAX_HEADS];
-        for (int n = 0; n < M; n++) {
-            raw_row[n] = raw + ((bg * M + n) * (int64_t)c + r) * s;
-            grad_row[n] = grad + ((bg * M + n) * (int64_t)c + r) * s;
-            for (int j = 0; j < sv; j++) x0[n * sv + j] = j < s ? raw_row[n][j] * scale : 0.0f;
-        }
-        /* the forward pass: Compose, mask, softmax (the rows in p), Compose (in d) */
-        compose_row(x0, p, sv, M, I, qf, k[0]);
-        for (int m = 0; m < M; m++) {
-            float *o = p + (size_t)m * sv, top = -FLT_MAX;
-            for (int j = 0; j < sv; j++) o[j] = vis[j] != 0.0f || j >= s ? o[j] : -FLT_MAX;
-            for (int j = 0; j < s; j++) top = o[j] > top ? o[j] : top;
-            for (int j = 0; j < sv; j++) o[j] = j < s ? exp_nonpos(o[j] - top) : 0.0f;
-            const float inv = 1.0f / total(o, sv);
-            for (int j = 0; j < sv; j++) o[j] *= inv;
-        }
-        compose_row(p, d, sv, M, I, qf + F, k[1]);
-        for (int n = 0; n < M; n++) {
-            for (int j = 0; j < s; j++) raw_row[n][j] = d[n * sv + j] * vis[j];
-            for (int j = 0; j < sv; j++) gp[n * sv + j] = j < s ? grad_row[n][j] * vis[j] : 0.0f;
-        }
-        /* the gradient: Compose after the softmax, the softmax, Compose before it (masked outputs get none) */
-        compose_row_backward(p, gp, d, sv, M, I, qf + F, k[1], dqv.data() + F, dk[1]);
-        for (int m = 0; m < M; m++) {
-            const float *pm = p + (size_t)m * sv, *dm = d + (size_t)m * sv;
-            float *gm = gp + (size_t)m * sv;
-            vf acc = vf{};
-            for (int j = 0; j < sv; j += VW) acc += load(pm + j) * load(dm + j);
-            float mean = 0.0f;
-            for (int l = 0; l < VW; l++) mean += acc[l];
-            for (int j = 0; j < sv; j++) gm[j] = pm[j] * (dm[j] - mean) * vis[j];
-        }
-        compose_row_backward(x0, gp, d, sv, M, I, qf, k[0], dqv.data(), dk[0]);
-        for (int n = 0; n < M; n++)
-            for (int j = 0; j < s; j++) grad_row[n][j] = d[n * sv + j] * scale;
-        for (int w = 0; w < 2 * F; w++) {
-            float sum = 0.0f;
-            for (int l = 0; l < V8; l++) sum += dqv[w][l];
-            const int slot = w / F;
-            dqt[((bg * 2 + slot) * F + w % F) * T + t0 + r] += sum;
-        }
+        for (int rr = 0; rr < R; rr++)
+            for (int w = 0; w < 2 * F; w++) {
+                float total_w = 0.0f;
+                for (int l = 0; l < V8; l++) total_w += dqv[rr * 2 * F + w][l];
+                const int slot = w / F;
+                dqt[((bg * 2 + slot) * F + w % F) * T + t0 + r0 + rr] += total_w;
+            }
     }
-    for (int slot = 0; slot < 2 && kt; slot++)
-        for (int w = 0; w < F; w++) {
-            float *dst = dkt + ((bg * 2 + slot) * F + w) * S + s0;
-            const float *src = dkf + slot * kfs + (size_t)w * sv;
-            for (int j = 0; j < s; j++) dst[j] += src[j];
-        }
 }
 
 /* dcformer::compose_softmax_compose_backward_: the chunk's gradient. raw: the chunk's q.k products (as the forward
