@@ -67,7 +67,8 @@ def backend(request):
 
 # The slowest combinations run with `pytest -m expensive` (the suite's time budget, docs/testing.md); the default run
 # still has each backend's logits, gradients, probabilities and decoding: Triton's decode and gradient steps in its
-# CPU interpreter (minutes), and "compiled" on one options set fewer (each set traces its own graphs).
+# CPU interpreter (minutes), and "compiled" on two options sets fewer (each set traces its own graphs; the gradient
+# test runs it on SHARED's groups, windows and qk-norm).
 EXPENSIVE = pytest.mark.expensive
 TRITON_EXPENSIVE = ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)]  # gradients
 # decoding: also "compiled" (each decode step a chunk of one query; on CPU "auto" decodes with the kernel, and
@@ -88,8 +89,8 @@ SHARED = dict(use_qk_norm=True, window_size=4, num_head_groups=2, attention_chun
 
 @pytest.mark.parametrize(
     "backend, options",
-    [(b, o) for b in BUILT_IN for o in OPTIONS if (b, o) != ("compiled", "chunk4")]
-    + [pytest.param("compiled", "chunk4", marks=EXPENSIVE)],
+    [(b, o) for b in BUILT_IN for o in OPTIONS if b != "compiled" or o == "querywise-groups2"]
+    + [pytest.param("compiled", o, marks=EXPENSIVE) for o in ("chunk4", "rank3-groups2-chunk5")],
 )
 def test_logits_match_eager_and_oracle(backend, options):
     backend = usable(backend)
