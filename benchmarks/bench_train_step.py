@@ -134,13 +134,23 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 
 def implementation_list(text: str) -> list[str]:
-    """`--implementation`: registered dcmha_implementation names, comma-separated."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in implementation_names()]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(unknown) or repr(text)}: not a dcmha_implementation (known: {list(implementation_names())})")
+    """`--implementation`: registered dcmha_implementation names, comma-separated (also profile_shapes.py's)."""
+    names = text.split(",")
+    known = set(implementation_names())
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a dcmha_implementation (known: {sorted(known)})")
     return names
+
+
+def with_implementation(model, implementation: str, step):
+    """`step` run with the model's dcmha_implementation set to `implementation` (read at every attention call)."""
+
+    def run():
+        model.config.dcmha_implementation = implementation
+        step()
+
+    return run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -181,16 +191,8 @@ def main(argv=None) -> int:
         ids = ids.to(device)
         dcformer = DCFormerForCausalLM(dc_cfg).to(device)
         dc_step = make_step(dcformer, ids)
-
-        def with_implementation(implementation: str):
-            def step():
-                dcformer.config.dcmha_implementation = implementation  # read at every attention call
-                dc_step()
-
-            return step
-
         steps = {"transformer": make_step(GPTNeoXForCausalLM(neox_cfg).to(device), ids)}
-        steps.update({column: with_implementation(impl) for column, impl in zip(columns, implementations)})
+        steps.update({c: with_implementation(dcformer, impl, dc_step) for c, impl in zip(columns, implementations)})
         for _ in range(args.warmup):
             for step in steps.values():
                 step()

@@ -26,9 +26,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from bench_train_step import timed, top_ops, where  # one timer and profile table (benchmarks/ is on sys.path)
+# one timer, profile table and --implementation for both scripts (benchmarks/ is on sys.path)
+from bench_train_step import implementation_list, timed, top_ops, where, with_implementation
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
-from modeling_dcformer.dcmha import implementation_names
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -106,16 +106,6 @@ def count_ops(step) -> tuple[int, int]:
     return sum(1 for e in top if e.name not in NO_LAUNCH), regions
 
 
-def with_implementation(model, implementation: str, step):
-    """`step` run with the model's dcmha_implementation set to `implementation` (read at every attention call)."""
-
-    def run():
-        model.config.dcmha_implementation = implementation
-        step()
-
-    return run
-
-
 def peak_cuda_mib(step, device: torch.device) -> float:
     """The most CUDA memory one run of `step` held above what was allocated before it (weights, cached state), MiB."""
     torch.cuda.synchronize(device)
@@ -124,16 +114,6 @@ def peak_cuda_mib(step, device: torch.device) -> float:
     step()
     torch.cuda.synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-
-
-def implementation_list(text: str) -> list[str]:
-    """`--implementation`: registered dcmha_implementation names, comma-separated."""
-    names = text.split(",")
-    known = set(implementation_names())
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a dcmha_implementation (known: {sorted(known)})")
-    return names
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -14,6 +14,7 @@ factors, 16 query rows against blocks of 128 keys at a time), so "auto" uses the
 saved model's remote code.
 """
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -289,10 +290,9 @@ class KernelAttention(torch.autograd.Function):
         call = ctx.call
         query, key, value, query_terms, key_terms = ctx.saved_tensors
         B, N, T, Dh = query.shape
-        S = key.shape[2]
         q, k, v = (x.reshape(B * N, -1, Dh).float() for x in (query, key, value))
         grad = grad_output.transpose(1, 2).reshape(B * N, T, Dh).float()  # [B, T, N, Dh] -> [B*N, T, Dh]
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)  # the chunks cover every query
         dqt = torch.zeros_like(query_terms)
         dkt = None if key_terms is None else torch.zeros_like(key_terms)
         for t0, t1, s0, s1 in call.spans:
@@ -342,6 +342,27 @@ def available() -> bool:
         return False
 
 
+def checked_operands(rank: int, key_padding_mask: torch.Tensor | None, **tensors: torch.Tensor | None):
+    """What both operators' wrappers do before calling them: load the kernel, check the tensors (named by their
+    keywords) and the rank with clear errors, and return the padding mask as the operators take it (uint8)."""
+    KERNEL.load()
+    for name, tensor in tensors.items():
+        if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.is_cuda):
+            raise ValueError(f"the DCMHA CPU kernel takes contiguous float32 CPU tensors; {name} is not")
+    if rank > MAX_RANK:
+        raise ValueError(f"the DCMHA CPU kernel supports dynamic_rank <= {MAX_RANK}, got {rank}")
+    return None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+
+
+@contextlib.contextmanager
+def operator_errors():
+    """The operators' own argument checks (RuntimeError from C++) as a ValueError with their first line."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise ValueError(f"DCMHA CPU kernel: {str(err).splitlines()[0]}") from err
+
+
 def compose_softmax_compose(
     scores: torch.Tensor,
     query_terms: torch.Tensor,
@@ -361,21 +382,13 @@ def compose_softmax_compose(
     query_terms: [B, G, 2, 2I+1, M, T] and key_terms [B, G, 2, 2I+1, M, S] or None (fp32, contiguous, time last;
     the chunk's queries start at index t0, its keys at s0); key_padding_mask: [B, S] bool/uint8 or None. The
     chunk's query r sits at absolute position query_pos0 + r, its key j at key_pos0 + j. Returns `scores`."""
-    KERNEL.load()
-    for name, tensor in (("scores", scores), ("query_terms", query_terms), ("key_terms", key_terms)):
-        if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.is_cuda):
-            raise ValueError(f"the DCMHA CPU kernel takes contiguous float32 CPU tensors; {name} is not")
-    if rank > MAX_RANK:
-        raise ValueError(f"the DCMHA CPU kernel supports dynamic_rank <= {MAX_RANK}, got {rank}")
-    pad = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    pad = checked_operands(rank, key_padding_mask, scores=scores, query_terms=query_terms, key_terms=key_terms)
     B, N, c, s = scores.shape
-    try:
+    with operator_errors():
         torch.ops.dcformer.compose_softmax_compose_(
             scores, query_terms, t0, key_terms, s0, pad, query_pos0, key_pos0, window_size or 0, scale, rank,
             num_groups, rows_per_tile(N // num_groups, s), runs_parallel(scores.numel()),
         )  # fmt: skip
-    except RuntimeError as err:  # the operator's own argument checks
-        raise ValueError(f"DCMHA CPU kernel: {str(err).splitlines()[0]}") from err
     return scores
 
 
@@ -400,21 +413,12 @@ def compose_softmax_compose_backward(
     forward pass got them), overwritten with the probabilities (what `compose_softmax_compose` returns: the values'
     gradient needs them); grad: the gradient of the probabilities, overwritten with the gradient of raw (returned). The factors' gradients are added to query_terms_grad and key_terms_grad (laid out
     like the factors; key_terms_grad None exactly when key_terms is). Other arguments as `compose_softmax_compose`."""
-    KERNEL.load()
-    tensors = (("raw", raw), ("grad", grad), ("query_terms", query_terms), ("key_terms", key_terms),
-               ("query_terms_grad", query_terms_grad), ("key_terms_grad", key_terms_grad))
-    for name, tensor in tensors:
-        if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.is_cuda):
-            raise ValueError(f"the DCMHA CPU kernel takes contiguous float32 CPU tensors; {name} is not")
-    if rank > MAX_RANK:
-        raise ValueError(f"the DCMHA CPU kernel supports dynamic_rank <= {MAX_RANK}, got {rank}")
-    pad = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
-    B, N = raw.shape[:2]
-    try:
+    pad = checked_operands(rank, key_padding_mask, raw=raw, grad=grad, query_terms=query_terms, key_terms=key_terms,
+                           query_terms_grad=query_terms_grad, key_terms_grad=key_terms_grad)
+    B = raw.shape[0]
+    with operator_errors():
         torch.ops.dcformer.compose_softmax_compose_backward_(
             raw, grad, query_terms, t0, key_terms, s0, pad, query_pos0, key_pos0, window_size or 0, scale, rank,
             num_groups, query_terms_grad, key_terms_grad, runs_parallel(raw.numel()) and B * num_groups > 1,
         )  # fmt: skip
-    except RuntimeError as err:  # the operator's own argument checks
-        raise ValueError(f"DCMHA CPU kernel: {str(err).splitlines()[0]}") from err
     return grad

@@ -211,6 +211,60 @@ static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const f
     }
 }
 
+/* The checks both operators make on a chunk's operands (the loops trust these bounds), and what they read off them.
+   scores: [B, G*M, c, s] fp32 contiguous (named `name` in errors); query_terms [B, G, 2, 2I+1, M, T], key_terms
+   [B, G, 2, 2I+1, M, S] or none, fp32 contiguous, the chunk's queries at t0, its keys at s0; key_padding_mask
+   [B, >= s0 + s] uint8 or none. */
+struct ChunkOperands {
+    int64_t B, G, M, c, s, T, S = 0, pad_stride = 0;
+    const float *qt = nullptr, *kt = nullptr;
+    const uint8_t *pad = nullptr;
+};
+
+static void fp32_cpu(const at::Tensor &t, const char *name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                "the DCMHA CPU kernel takes contiguous float32 CPU tensors; ", name, " is not");
+}
+
+static ChunkOperands check_chunk(const at::Tensor &scores, const char *name, const at::Tensor &query_terms,
+                                 int64_t t0, const std::optional<at::Tensor> &key_terms, int64_t s0,
+                                 const std::optional<at::Tensor> &key_padding_mask, int64_t rank,
+                                 int64_t num_groups) {
+    ChunkOperands x;
+    fp32_cpu(scores, name);
+    fp32_cpu(query_terms, "query_terms");
+    TORCH_CHECK(scores.dim() == 4, name, " must be [B, N, c, s]");
+    const int64_t N = scores.size(1);
+    x.B = scores.size(0), x.c = scores.size(2), x.s = scores.size(3), x.G = num_groups;
+    TORCH_CHECK(rank >= 1 && rank <= MAX_RANK, "the DCMHA CPU kernel supports 1 <= dynamic_rank <= ", MAX_RANK);
+    TORCH_CHECK(x.G >= 1 && N % x.G == 0, "bad num_groups");
+    x.M = N / x.G;
+    TORCH_CHECK(query_terms.dim() == 6 && query_terms.size(0) == x.B && query_terms.size(1) == x.G &&
+                    query_terms.size(2) == 2 && query_terms.size(3) == 2 * rank + 1 && query_terms.size(4) == x.M,
+                "scores ", scores.sizes(), " do not match the query factors ", query_terms.sizes());
+    x.T = query_terms.size(5);
+    TORCH_CHECK(t0 >= 0 && t0 + x.c <= x.T, "queries [", t0, ", ", t0 + x.c, ") outside the ", x.T, " of query_terms");
+    x.qt = query_terms.data_ptr<float>();
+    if (key_terms.has_value()) {
+        fp32_cpu(*key_terms, "key_terms");
+        TORCH_CHECK(key_terms->dim() == 6 && key_terms->sizes().slice(0, 5).equals(query_terms.sizes().slice(0, 5)),
+                    "key factors ", key_terms->sizes(), " do not match the query factors ", query_terms.sizes());
+        x.S = key_terms->size(5);
+        TORCH_CHECK(s0 >= 0 && s0 + x.s <= x.S, "keys [", s0, ", ", s0 + x.s, ") outside the ", x.S, " of key_terms");
+        x.kt = key_terms->data_ptr<float>();
+    }
+    if (key_padding_mask.has_value()) {
+        const at::Tensor &p = *key_padding_mask;
+        TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 &&
+                        p.size(0) == x.B && s0 >= 0 && s0 + x.s <= p.size(1),
+                    "key_padding_mask ", p.sizes(), " must be contiguous uint8 covering batch ", x.B, ", keys [", s0,
+                    ", ", s0 + x.s, ")");
+        x.pad = p.data_ptr<uint8_t>();
+        x.pad_stride = p.size(1);
+    }
+    return x;
+}
+
 /* dcformer::compose_softmax_compose_: the whole chunk, in place on `scores` ([B, G*M, c, s] fp32 contiguous).
    Every argument is checked here: the loops trust these bounds. Tiles of `rows` query rows (per batch x group)
    are spread over PyTorch's intra-op threads when `parallel` (each tile is computed alone: the numbers do not
@@ -220,45 +274,13 @@ static void compose_softmax_compose_(const at::Tensor &scores, const at::Tensor 
                                      const std::optional<at::Tensor> &key_padding_mask, int64_t query_pos0,
                                      int64_t key_pos0, int64_t window, double scale, int64_t rank, int64_t num_groups,
                                      int64_t rows, bool parallel) {
-    auto fp32_cpu = [](const at::Tensor &t, const char *name) {
-        TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-                    "the DCMHA CPU kernel takes contiguous float32 CPU tensors; ", name, " is not");
-    };
-    fp32_cpu(scores, "scores");
-    fp32_cpu(query_terms, "query_terms");
-    TORCH_CHECK(scores.dim() == 4, "scores must be [B, N, c, s]");
-    const int64_t B = scores.size(0), N = scores.size(1), c = scores.size(2), s = scores.size(3), G = num_groups;
-    TORCH_CHECK(rank >= 1 && rank <= MAX_RANK, "the DCMHA CPU kernel supports 1 <= dynamic_rank <= ", MAX_RANK);
-    TORCH_CHECK(G >= 1 && N % G == 0 && rows >= 1, "bad num_groups or rows");
-    const int64_t M = N / G, W = 2 * rank + 1;
-    TORCH_CHECK(query_terms.dim() == 6 && query_terms.size(0) == B && query_terms.size(1) == G &&
-                    query_terms.size(2) == 2 && query_terms.size(3) == W && query_terms.size(4) == M,
-                "scores ", scores.sizes(), " do not match the query factors ", query_terms.sizes());
-    const int64_t T = query_terms.size(5);
-    TORCH_CHECK(t0 >= 0 && t0 + c <= T, "queries [", t0, ", ", t0 + c, ") outside the ", T, " of query_terms");
-    const float *kt = nullptr;
-    int64_t S = 0;
-    if (key_terms.has_value()) {
-        fp32_cpu(*key_terms, "key_terms");
-        TORCH_CHECK(key_terms->dim() == 6 && key_terms->sizes().slice(0, 5).equals(query_terms.sizes().slice(0, 5)),
-                    "key factors ", key_terms->sizes(), " do not match the query factors ", query_terms.sizes());
-        S = key_terms->size(5);
-        TORCH_CHECK(s0 >= 0 && s0 + s <= S, "keys [", s0, ", ", s0 + s, ") outside the ", S, " of key_terms");
-        kt = key_terms->data_ptr<float>();
-    }
-    const uint8_t *pad = nullptr;
-    int64_t pad_stride = 0;
-    if (key_padding_mask.has_value()) {
-        const at::Tensor &p = *key_padding_mask;
-        TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 &&
-                        p.size(0) == B && s0 >= 0 && s0 + s <= p.size(1),
-                    "key_padding_mask ", p.sizes(), " must be contiguous uint8 covering batch ", B, ", keys [", s0,
-                    ", ", s0 + s, ")");
-        pad = p.data_ptr<uint8_t>();
-        pad_stride = p.size(1);
-    }
+    const ChunkOperands x = check_chunk(scores, "scores", query_terms, t0, key_terms, s0, key_padding_mask, rank,
+                                        num_groups);
+    TORCH_CHECK(rows >= 1, "bad rows");
+    const int64_t B = x.B, G = x.G, M = x.M, c = x.c, s = x.s, T = x.T, S = x.S, pad_stride = x.pad_stride;
+    const float *qt = x.qt, *kt = x.kt;
+    const uint8_t *pad = x.pad;
     float *sp = scores.data_ptr<float>();
-    const float *qt = query_terms.data_ptr<float>();
     const int64_t ntiles = (c + rows - 1) / rows;
     auto run = [&](int64_t begin, int64_t end) {
         for (int64_t index = begin; index < end; index++) {
@@ -531,58 +553,26 @@ static void compose_softmax_compose_backward_(const at::Tensor &raw, const at::T
                                               int64_t key_pos0, int64_t window, double scale, int64_t rank,
                                               int64_t num_groups, const at::Tensor &query_terms_grad,
                                               const std::optional<at::Tensor> &key_terms_grad, bool parallel) {
-    auto fp32_cpu = [](const at::Tensor &t, const char *name) {
-        TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-                    "the DCMHA CPU kernel takes contiguous float32 CPU tensors; ", name, " is not");
-    };
-    fp32_cpu(raw, "raw");
+    const ChunkOperands x = check_chunk(raw, "raw", query_terms, t0, key_terms, s0, key_padding_mask, rank,
+                                        num_groups);
     fp32_cpu(grad, "grad");
-    fp32_cpu(query_terms, "query_terms");
     fp32_cpu(query_terms_grad, "query_terms_grad");
-    TORCH_CHECK(raw.dim() == 4 && grad.sizes().equals(raw.sizes()), "raw and grad must be [B, N, c, s] alike");
-    const int64_t B = raw.size(0), N = raw.size(1), c = raw.size(2), s = raw.size(3), G = num_groups;
-    TORCH_CHECK(rank >= 1 && rank <= MAX_RANK, "the DCMHA CPU kernel supports 1 <= dynamic_rank <= ", MAX_RANK);
-    TORCH_CHECK(G >= 1 && N % G == 0, "bad num_groups");
-    const int64_t M = N / G, W = 2 * rank + 1;
-    TORCH_CHECK(M <= MAX_HEADS, "the DCMHA CPU kernel's backward pass supports up to ", MAX_HEADS, " heads a group");
-    TORCH_CHECK(query_terms.dim() == 6 && query_terms.size(0) == B && query_terms.size(1) == G &&
-                    query_terms.size(2) == 2 && query_terms.size(3) == W && query_terms.size(4) == M,
-                "scores ", raw.sizes(), " do not match the query factors ", query_terms.sizes());
+    TORCH_CHECK(grad.sizes().equals(raw.sizes()), "grad must match raw");
+    TORCH_CHECK(x.M <= MAX_HEADS, "the DCMHA CPU kernel's backward pass supports up to ", MAX_HEADS, " heads a group");
     TORCH_CHECK(query_terms_grad.sizes().equals(query_terms.sizes()), "query_terms_grad must match query_terms");
-    const int64_t T = query_terms.size(5);
-    TORCH_CHECK(t0 >= 0 && t0 + c <= T, "queries [", t0, ", ", t0 + c, ") outside the ", T, " of query_terms");
-    const float *kt = nullptr;
-    float *dkt = nullptr;
-    int64_t S = 0;
     TORCH_CHECK(key_terms.has_value() == key_terms_grad.has_value(), "key_terms and key_terms_grad go together");
-    if (key_terms.has_value()) {
-        fp32_cpu(*key_terms, "key_terms");
+    float *dkt = nullptr;
+    if (key_terms_grad.has_value()) {
         fp32_cpu(*key_terms_grad, "key_terms_grad");
-        TORCH_CHECK(key_terms->dim() == 6 && key_terms->sizes().slice(0, 5).equals(query_terms.sizes().slice(0, 5)),
-                    "key factors ", key_terms->sizes(), " do not match the query factors ", query_terms.sizes());
         TORCH_CHECK(key_terms_grad->sizes().equals(key_terms->sizes()), "key_terms_grad must match key_terms");
-        S = key_terms->size(5);
-        TORCH_CHECK(s0 >= 0 && s0 + s <= S, "keys [", s0, ", ", s0 + s, ") outside the ", S, " of key_terms");
-        kt = key_terms->data_ptr<float>();
         dkt = key_terms_grad->data_ptr<float>();
     }
-    const uint8_t *pad = nullptr;
-    int64_t pad_stride = 0;
-    if (key_padding_mask.has_value()) {
-        const at::Tensor &p = *key_padding_mask;
-        TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 &&
-                        p.size(0) == B && s0 >= 0 && s0 + s <= p.size(1),
-                    "key_padding_mask ", p.sizes(), " must be contiguous uint8 covering batch ", B, ", keys [", s0,
-                    ", ", s0 + s, ")");
-        pad = p.data_ptr<uint8_t>();
-        pad_stride = p.size(1);
-    }
-    const float *qt = query_terms.data_ptr<float>();
+    const int64_t B = x.B, G = x.G, M = x.M, c = x.c, s = x.s, T = x.T, S = x.S;
     float *rp = raw.data_ptr<float>(), *gp = grad.data_ptr<float>(), *dqt = query_terms_grad.data_ptr<float>();
     auto run = [&](int64_t begin, int64_t end) {
         for (int64_t bg = begin; bg < end; bg++)
-            dcmha_backward_bg(rp, gp, (int)G, (int)M, (int)c, (int)s, (int)rank, qt, dqt, T, t0, kt, dkt, S, s0,
-                              pad, pad_stride, query_pos0, key_pos0, window, (float)scale, bg);
+            dcmha_backward_bg(rp, gp, (int)G, (int)M, (int)c, (int)s, (int)rank, x.qt, dqt, T, t0, x.kt, dkt, S, s0,
+                              x.pad, x.pad_stride, query_pos0, key_pos0, window, (float)scale, bg);
     };
     if (parallel)
         at::parallel_for(0, B * G, 1, run);
