@@ -10,7 +10,7 @@ corrupt file) is rebuilt, never loaded. The operator has a fake (meta) implement
 see it; its tiles run on PyTorch's intra-op thread pool (`at::parallel_for`). Training goes through
 `KernelAttention`: its backward pass recomputes each chunk's products and probabilities and runs the second operator,
 `torch.ops.dcformer.compose_softmax_compose_backward_` (the gradients of the products and of the composition
-factors, 16 query rows against blocks of 128 keys at a time), so "auto" uses the kernel for training on CPU too. This file is not part of a
+factors, 16 query rows against blocks of 64 keys at a time), so "auto" uses the kernel for training on CPU too. This file is not part of a
 saved model's remote code.
 """
 

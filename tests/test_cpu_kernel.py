@@ -60,7 +60,11 @@ CASES = {
     "rank5-generic": (2, 1, 3, 5, 3, 19, True, None, True, 0, 0),
     "blocks-tail": (1, 1, 4, 2, 4, 300, True, 200, True, 7, 100),
     "decode-step": (2, 1, 4, 2, 1, 33, True, None, True, 0, 0),
-    "heads8": (1, 2, 8, 2, 5, 24, True, 7, True, 1, 2),  # the backward pass's code for 8 heads a group
+    "heads8": (1, 2, 8, 2, 5, 24, True, 7, True, 1, 2),  # the code compiled for 8 heads a group
+    # 12 and 16 heads (code of their own); keys over several blocks of both passes, a tail that is not a multiple
+    # of the vector width
+    "heads12-blocks": (1, 1, 12, 2, 9, 150, True, None, True, 0, 0),
+    "heads16-querywise": (1, 1, 16, 2, 4, 70, False, 30, False, 0, 3),
 }
 
 

@@ -34,80 +34,95 @@ static inline float exp_nonpos(float x) {
     return x < -87.3f ? 0.0f : y * u.f;
 }
 
-typedef float vf __attribute__((vector_size(64)));   /* 16 floats: AVX-512, or split in two AVX registers */
-typedef int32_t vi __attribute__((vector_size(64)));
-#define VW 16
+#define VW 16  /* lanes of a row's running maximum; a block's keys are rounded up to a multiple of it */
 
-static inline vf load(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
-static inline void store(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+/* Asks for the n floats at p in the cache (one request per 64-byte line) */
+static inline void prefetch_span(const float *p, int n) {
+    for (int j = 0; j < n; j += 16) __builtin_prefetch(p + j, 1, 3);
+}
 
-/* One Compose (spec, step 6) of 16 keys j..j+15 of one query row, in place: the M heads' values a[n][j]
+/* 8 floats: one AVX register. Compose keeps its hidden values in registers, so it works on 8 keys at a time (16-float
+   vectors, two AVX registers each, made the compiler spill them to the stack). */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+#define V8 8
+static inline v8 load8(const float *p) { v8 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* One Compose (spec, step 6) of 8 keys j..j+7 of one query row, in place: the M heads' values a[n][j]
    (a: [M][BLOCK]) become, with A[n] = a[n][j] * sc[n] (the scale, or the softmax's 1 / sum of head n),
        out[m] = A[m] (1 + qdd[m]) + sum_i hq_i qw2[i][m] + A[m] kdd[m][j] + sum_i hk_i[j] kw2[i][m][j]
    where hq_i = sum_n A[n] qw1[i][n] and hk_i[j] = sum_n A[n] kw1[i][n][j]. q: the row's query factors
    [2I+1][M]; k: the block's key factors [2I+1][M][BLOCK], or NULL (query-wise).
-   Keys outside [lo, hi) or padding (pad[j] == 0, where pad) are set to `fill`. The hidden values stay in
-   registers: each score is read twice and written once. Inlined with I constant (the loops over i unroll). */
-static inline __attribute__((always_inline)) void compose16(
-        float *a, int j, int M, const int I, const float *q, const float *k, const float *sc, const int masked,
+   Keys outside [lo, hi) or padding (pad[j] == 0, where pad) are set to `fill`. mx, where given: each head's running
+   maximum in 16 lanes ([M][16]; keys j..j+7 update lanes j % 16 ..). The hidden values stay in registers: each
+   score is read twice and written once. Inlined with M and I constant where they can be (the loops unroll). */
+static inline __attribute__((always_inline)) void compose8(
+        float *a, int j, const int M, const int I, const float *q, const float *k, const float *sc, const int masked,
         int lo, int hi, const uint8_t *pad, float fill, float *mx) {
-    vf hq[MAX_RANK], hk[MAX_RANK];
-    for (int i = 0; i < I; i++) hq[i] = hk[i] = vf{};
+    v8 hq[MAX_RANK], hk[MAX_RANK];
+    for (int i = 0; i < I; i++) hq[i] = hk[i] = v8{};
     for (int n = 0; n < M; n++) {
-        const vf x = load(a + n * BLOCK + j) * sc[n];
+        const v8 x = load8(a + n * BLOCK + j) * sc[n];
         for (int i = 0; i < I; i++) {
             hq[i] += x * q[i * M + n];
-            if (k) hk[i] += x * load(k + (i * M + n) * BLOCK + j);
+            if (k) hk[i] += x * load8(k + (i * M + n) * BLOCK + j);
         }
     }
-    vi keep = {0};
+    vi8 keep = {0};
     if (masked) {
-        const vi idx = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + j;
+        const vi8 idx = vi8{0, 1, 2, 3, 4, 5, 6, 7} + j;
         keep = (idx >= lo) & (idx < hi);
         if (pad) {
-            vi p;
-            for (int l = 0; l < VW; l++) p[l] = pad[j + l];
+            vi8 p;
+            for (int l = 0; l < V8; l++) p[l] = pad[j + l];
             keep &= p != 0;
         }
     }
-    const vi fillv = (vi)(vf{} + fill);
+    const vi8 fillv = (vi8)(v8{} + fill);
     for (int m = 0; m < M; m++) {
-        const vf x = load(a + m * BLOCK + j) * sc[m];
-        vf out = x * (1.0f + q[2 * I * M + m]);
+        const v8 x = load8(a + m * BLOCK + j) * sc[m];
+        v8 out = x * (1.0f + q[2 * I * M + m]);
         for (int i = 0; i < I; i++) out += hq[i] * q[(I + i) * M + m];
         if (k) {
-            out += x * load(k + (2 * I * M + m) * BLOCK + j);
-            for (int i = 0; i < I; i++) out += hk[i] * load(k + ((I + i) * M + m) * BLOCK + j);
+            out += x * load8(k + (2 * I * M + m) * BLOCK + j);
+            for (int i = 0; i < I; i++) out += hk[i] * load8(k + ((I + i) * M + m) * BLOCK + j);
         }
-        if (masked) out = (vf)(((vi)out & keep) | (fillv & ~keep));
+        if (masked) out = (v8)(((vi8)out & keep) | (fillv & ~keep));
         if (mx) {
-            const vf top = load(mx + m * VW);
-            const vi up = out > top;
-            store(mx + m * VW, (vf)(((vi)out & up) | ((vi)top & ~up)));
+            float *lane = mx + m * VW + (j & (VW - 1));
+            const v8 top = load8(lane);
+            const vi8 up = out > top;
+            store8(lane, (v8)(((vi8)out & up) | ((vi8)top & ~up)));
         }
-        store(a + m * BLOCK + j, out);
+        store8(a + m * BLOCK + j, out);
     }
 }
 
-/* compose16 over the keys [0, L) of a block (L a multiple of 16); the loop is compiled apart for each rank up to
-   4, with and without key-wise factors, with and without masked keys. mx: each head's running maximum (16 lanes)
-   or NULL: [M][16]. */
+/* compose8 over the keys [0, L) of a block (L a multiple of 16), compiled apart for rank 2 (the presets') with 4,
+   8, 12 or 16 heads a group (the loops over the heads unroll) and for ranks 1-4 (the loops over i unroll), with
+   and without key-wise factors, with and without masked keys. mx: each head's running maximum (16 lanes) or NULL:
+   [M][16]. */
 static void compose_block(float *a, int L, int M, int I, const float *q, const float *k, const float *sc, int lo,
                           int hi, const uint8_t *pad, float fill, float *mx) {
     const int masked = lo > 0 || hi < L || pad;
-#define COMPOSE_LOOP(RANK, K, MASKED) \
-    for (int j = 0; j < L; j += VW) compose16(a, j, M, RANK, q, K, sc, MASKED, lo, hi, pad, fill, mx)
-#define COMPOSE_KM(RANK)                                       \
-    if (k && masked) COMPOSE_LOOP(RANK, k, 1);                  \
-    else if (k) COMPOSE_LOOP(RANK, k, 0);                       \
-    else if (masked) COMPOSE_LOOP(RANK, static_cast<const float *>(nullptr), 1);   \
-    else COMPOSE_LOOP(RANK, static_cast<const float *>(nullptr), 0);
-    switch (I) {
-        case 1: COMPOSE_KM(1); break;
-        case 2: COMPOSE_KM(2); break;
-        case 3: COMPOSE_KM(3); break;
-        case 4: COMPOSE_KM(4); break;
-        default: COMPOSE_KM(I);
+#define COMPOSE_LOOP(HEADS, RANK, K, MASKED) \
+    for (int j = 0; j < L; j += V8) compose8(a, j, HEADS, RANK, q, K, sc, MASKED, lo, hi, pad, fill, mx)
+#define COMPOSE_KM(HEADS, RANK)                                                          \
+    if (k && masked) COMPOSE_LOOP(HEADS, RANK, k, 1);                                    \
+    else if (k) COMPOSE_LOOP(HEADS, RANK, k, 0);                                         \
+    else if (masked) COMPOSE_LOOP(HEADS, RANK, static_cast<const float *>(nullptr), 1);  \
+    else COMPOSE_LOOP(HEADS, RANK, static_cast<const float *>(nullptr), 0);
+    if (I == 2 && M == 4) { COMPOSE_KM(4, 2); }
+    else if (I == 2 && M == 8) { COMPOSE_KM(8, 2); }
+    else if (I == 2 && M == 12) { COMPOSE_KM(12, 2); }
+    else if (I == 2 && M == 16) { COMPOSE_KM(16, 2); }
+    else switch (I) {
+        case 1: COMPOSE_KM(M, 1); break;
+        case 2: COMPOSE_KM(M, 2); break;
+        case 3: COMPOSE_KM(M, 3); break;
+        case 4: COMPOSE_KM(M, 4); break;
+        default: COMPOSE_KM(M, I);
     }
 #undef COMPOSE_KM
 #undef COMPOSE_LOOP
@@ -185,6 +200,8 @@ static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const f
             if (pd)
                 for (int j = 0; j < Lv; j++) pb[j] = j < L ? pd[j0 + j] : 0;
             for (int r = r0; r < r1; r++) {
+                if (r + 1 < r1)  /* the next row's block, from L3 while this one is worked on */
+                    for (int n = 0; n < M; n++) prefetch_span(base + ((int64_t)n * c + r + 1) * s + j0, L);
                 const int64_t qpos = qpos0 + r, k0 = kpos0 + j0;
                 /* this row's visible keys in the block, before padding: [lo, hi) */
                 int64_t lo = window > 0 ? qpos - window + 1 - k0 : 0, hi = qpos + 1 - k0;
@@ -301,23 +318,31 @@ static void compose_softmax_compose_(const at::Tensor &scores, const at::Tensor 
    row's forward pass from the raw q.k scores (Compose before the softmax, mask, softmax, Compose after it: the
    probabilities, returned for the values' gradient), then takes the gradient of the probabilities back through
    Compose after the softmax, the softmax and Compose before it. A row's M x s values stay in the core's cache; each
-   Compose and its gradient work on 16 keys at a time with the hidden values and their gradients in registers; the
-   row's factor gradients are summed in 16 lanes, the keys' factor gradients (summed over the rows) in a buffer. */
+   Compose and its gradient work on 8 keys at a time with the hidden values and their gradients in registers; the
+   row's factor gradients are summed in 8 lanes, the keys' factor gradients (summed over the rows) in a buffer. */
+
+/* max_j x[j] over n values (8 lanes, so that the loop vectorises), -FLT_MAX when n is 0 */
+static inline float maximum(const float *__restrict__ x, int n) {
+    v8 top = v8{} - FLT_MAX;
+    int j = 0;
+    for (; j + V8 <= n; j += V8) {
+        const v8 y = load8(x + j);
+        top = y > top ? y : top;
+    }
+    float m = -FLT_MAX;
+    for (int l = 0; l < V8; l++) m = top[l] > m ? top[l] : m;
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
 
 /* sum_j x[j] over n values, n a multiple of 16 */
 static inline float total(const float *__restrict__ x, int n) {
-    vf acc = vf{};
-    for (int j = 0; j < n; j += VW) acc += load(x + j);
+    v8 acc = v8{};
+    for (int j = 0; j < n; j += V8) acc += load8(x + j);
     float sum = 0.0f;
-    for (int l = 0; l < VW; l++) sum += acc[l];
+    for (int l = 0; l < V8; l++) sum += acc[l];
     return sum;
 }
-
-/* 8 floats: one AVX register (the backward pass keeps more vectors live than the forward pass) */
-typedef float v8 __attribute__((vector_size(32)));
-#define V8 8
-static inline v8 load8(const float *p) { v8 v; __builtin_memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
 
 /* Compose of keys j..j+7 of one row: a, out [M][sv] (the step's input, scale applied, and its output); q [W][M] the
    row's factors; k [W][M][sv] the keys' factors or NULL (query-wise). */
@@ -418,7 +443,7 @@ static void compose_row_backward(const float *a, const float *g, float *da, int 
 /* The backward pass of one batch x group bg over the chunk's c query rows: raw [B, G*M, c, s], the q.k products,
    overwritten with the probabilities (the forward pass's output); grad [B, G*M, c, s], the gradient of the
    probabilities on entry and of raw on return. Factors and their gradients: [B, G, 2, 2I+1, M, T or S], time last
-   (dkt NULL when kt is). A tile of BWD_ROWS rows goes over the keys in blocks of BLOCK three times, so that a block's
+   (dkt NULL when kt is). A tile of BWD_ROWS rows goes over the keys in blocks of BWD_BLOCK three times, so that a block's
    key factors and their gradients stay in cache for all the tile's rows (a whole row's would not, at thousands of
    keys): (0) Compose before the softmax, each row's running maximum and sum (an online softmax); (1) the softmax,
    the gradient through Compose after it (dP -> dp, written over grad) and each row's sum of p dp; (2) the softmax
@@ -426,21 +451,22 @@ static void compose_row_backward(const float *a, const float *g, float *da, int 
    through Compose before it (written over grad). Compose before the softmax is computed in each pass: cheaper than
    keeping it. */
 #define BWD_ROWS 16
+#define BWD_BLOCK 64   /* keys per block in the backward pass: a block's key factors and their gradients stay near L1 */
 static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int s, int I, const float *qt, float *dqt,
                               int64_t T, int64_t t0, const float *kt, float *dkt, int64_t S, int64_t s0,
                               const uint8_t *pad, int64_t pad_stride, int64_t qpos0, int64_t kpos0, int64_t window,
                               float scale, int64_t bg) {
     const int W = 2 * I + 1, F = W * M;
-    const size_t rowb = (size_t)M * BLOCK, kfb = kt ? (size_t)F * BLOCK : 0, stats = (size_t)BWD_ROWS * M;
+    const size_t rowb = (size_t)M * BWD_BLOCK, kfb = kt ? (size_t)F * BWD_BLOCK : 0, stats = (size_t)BWD_ROWS * M;
     /* per row and block: x0 the scaled products, p the probabilities (before Compose after the softmax), gp a
        gradient, d an input's gradient or an output; the block's key factors of both slots and their gradients;
        the tile's factors; the block's visible keys of a row (1 or 0); per row and head: the running maximum, the
        sum (then its inverse), the sum of p dp; per row: its factor gradients (8 lanes each) */
-    std::vector<float> buffer(4 * rowb + 4 * kfb + (size_t)2 * F * BWD_ROWS + BLOCK + 3 * stats);
+    std::vector<float> buffer(4 * rowb + 4 * kfb + (size_t)2 * F * BWD_ROWS + BWD_BLOCK + 3 * stats);
     std::vector<v8> dqv((size_t)BWD_ROWS * 2 * F);
     float *x0 = buffer.data(), *p = x0 + rowb, *gp = p + rowb, *d = gp + rowb;
     float *kf = d + rowb, *dkf = kf + 2 * kfb, *qf = dkf + 2 * kfb, *vis = qf + (size_t)2 * F * BWD_ROWS;
-    float *top = vis + BLOCK, *sum = top + stats, *mean = sum + stats;
+    float *top = vis + BWD_BLOCK, *sum = top + stats, *mean = sum + stats;
     const int64_t b = bg / G;
     const uint8_t *pd = pad ? pad + b * pad_stride + s0 : nullptr;
     for (int r0 = 0; r0 < c; r0 += BWD_ROWS) {
@@ -453,13 +479,15 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
             }
         for (size_t i = 0; i < stats; i++) top[i] = -FLT_MAX, sum[i] = 0.0f, mean[i] = 0.0f;
         for (int phase = 0; phase < 3; phase++) {
-            for (int j0 = 0; j0 < s; j0 += BLOCK) {
-                const int L = s - j0 < BLOCK ? s - j0 : BLOCK, Lv = (L + VW - 1) / VW * VW;
+            for (int j0 = 0; j0 < s; j0 += BWD_BLOCK) {
+                const int L = s - j0 < BWD_BLOCK ? s - j0 : BWD_BLOCK, Lv = (L + VW - 1) / VW * VW;
                 for (int slot = 0; slot < 2 && kt; slot++)
                     for (int w = 0; w < F; w++) {
                         const float *src = kt + ((bg * 2 + slot) * F + w) * S + s0 + j0;
                         float *dst = kf + slot * kfb + (size_t)w * Lv, *dd = dkf + slot * kfb + (size_t)w * Lv;
-                        for (int j = 0; j < Lv; j++) dst[j] = j < L ? src[j] : 0.0f, dd[j] = 0.0f;
+                        std::memcpy(dst, src, sizeof(float) * L);
+                        for (int j = L; j < Lv; j++) dst[j] = 0.0f;
+                        std::memset(dd, 0, sizeof(float) * Lv);
                     }
                 const float *k0 = kt ? kf : nullptr, *k1 = kt ? kf + kfb : nullptr;
                 for (int rr = 0; rr < R; rr++) {
@@ -468,12 +496,21 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                     int64_t lo = window > 0 ? qpos - window + 1 - k0pos : 0, hi = qpos + 1 - k0pos;
                     lo = lo < 0 ? 0 : lo;
                     hi = hi > L ? L : hi;
-                    for (int j = 0; j < Lv; j++) vis[j] = j >= lo && j < hi && (!pd || pd[j0 + j]) ? 1.0f : 0.0f;
+                    for (int j = 0; j < Lv; j++) vis[j] = (float)((j >= lo) & (j < hi));
+                    if (pd)
+                        for (int j = 0; j < L; j++) vis[j] *= (float)(pd[j0 + j] != 0);
                     float *raw_row[MAX_HEADS], *grad_row[MAX_HEADS];
+                    if (rr + 1 < R)  /* the next row's block, from L3 while this one is worked on */
+                        for (int n = 0; n < M; n++) {
+                            const int64_t next = ((bg * M + n) * (int64_t)c + r + 1) * s + j0;
+                            prefetch_span(raw + next, L);
+                            if (phase > 0) prefetch_span(grad + next, L);
+                        }
                     for (int n = 0; n < M; n++) {
                         raw_row[n] = raw + ((bg * M + n) * (int64_t)c + r) * s + j0;
                         grad_row[n] = grad + ((bg * M + n) * (int64_t)c + r) * s + j0;
-                        for (int j = 0; j < Lv; j++) x0[n * Lv + j] = j < L ? raw_row[n][j] * scale : 0.0f;
+                        for (int j = 0; j < L; j++) x0[n * Lv + j] = raw_row[n][j] * scale;
+                        for (int j = L; j < Lv; j++) x0[n * Lv + j] = 0.0f;
                     }
                     const float *q0 = qf + rr * 2 * F, *q1 = q0 + F;
                     float *tp = top + rr * M, *sm = sum + rr * M, *mn = mean + rr * M;
@@ -482,8 +519,7 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                         float *o = p + (size_t)m * Lv;
                         for (int j = 0; j < L; j++) o[j] = vis[j] != 0.0f ? o[j] : -FLT_MAX;
                         if (phase == 0) {  /* the running maximum and sum */
-                            float bm = -FLT_MAX;
-                            for (int j = 0; j < L; j++) bm = o[j] > bm ? o[j] : bm;
+                            const float bm = maximum(o, L);
                             const float nm = bm > tp[m] ? bm : tp[m];
                             for (int j = 0; j < L; j++) o[j] = exp_nonpos(o[j] - nm);
                             for (int j = L; j < Lv; j++) o[j] = 0.0f;
@@ -497,8 +533,10 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                     if (phase == 0) continue;
                     v8 *dq = dqv.data() + rr * 2 * F;
                     if (phase == 1) {  /* dP -> dp through Compose after the softmax; sum of p dp */
-                        for (int n = 0; n < M; n++)
-                            for (int j = 0; j < Lv; j++) gp[n * Lv + j] = j < L ? grad_row[n][j] * vis[j] : 0.0f;
+                        for (int n = 0; n < M; n++) {
+                            for (int j = 0; j < L; j++) gp[n * Lv + j] = grad_row[n][j] * vis[j];
+                            for (int j = L; j < Lv; j++) gp[n * Lv + j] = 0.0f;
+                        }
                         compose_row_backward(p, gp, d, Lv, M, I, q1, k1, dq + F, dkf + kfb);
                         for (int n = 0; n < M; n++) {
                             v8 acc = v8{};
@@ -512,8 +550,8 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                     compose_row(p, d, Lv, M, I, q1, k1);
                     for (int n = 0; n < M; n++) {
                         for (int j = 0; j < L; j++) raw_row[n][j] = d[n * Lv + j] * vis[j];
-                        for (int j = 0; j < Lv; j++)
-                            gp[n * Lv + j] = j < L ? p[n * Lv + j] * (grad_row[n][j] - mn[n]) * vis[j] : 0.0f;
+                        for (int j = 0; j < L; j++) gp[n * Lv + j] = p[n * Lv + j] * (grad_row[n][j] - mn[n]) * vis[j];
+                        for (int j = L; j < Lv; j++) gp[n * Lv + j] = 0.0f;
                     }
                     compose_row_backward(x0, gp, d, Lv, M, I, q0, k0, dq, dkf);
                     for (int n = 0; n < M; n++)
