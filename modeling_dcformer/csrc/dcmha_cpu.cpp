@@ -49,83 +49,101 @@ typedef int32_t vi8 __attribute__((vector_size(32)));
 static inline v8 load8(const float *p) { v8 v; __builtin_memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
 
-/* One Compose (spec, step 6) of 8 keys j..j+7 of one query row, in place: the M heads' values a[n][j]
-   (a: [M][BLOCK]) become, with A[n] = a[n][j] * sc[n] (the scale, or the softmax's 1 / sum of head n),
-       out[m] = A[m] (1 + qdd[m]) + sum_i hq_i qw2[i][m] + A[m] kdd[m][j] + sum_i hk_i[j] kw2[i][m][j]
-   where hq_i = sum_n A[n] qw1[i][n] and hk_i[j] = sum_n A[n] kw1[i][n][j]. q: the row's query factors
-   [2I+1][M]; k: the block's key factors [2I+1][M][BLOCK], or NULL (query-wise).
-   Keys outside [lo, hi) or padding (pad[j] == 0, where pad) are set to `fill`. mx, where given: each head's running
-   maximum in 16 lanes ([M][16]; keys j..j+7 update lanes j % 16 ..). The hidden values stay in registers: each
-   score is read twice and written once. Inlined with M and I constant where they can be (the loops unroll). */
-static inline __attribute__((always_inline)) void compose8(
-        float *a, int j, const int M, const int I, const float *q, const float *k, const float *sc, const int masked,
-        int lo, int hi, const uint8_t *pad, float fill, float *mx) {
+/* One Compose (spec, step 6) of 8 keys j..j+7 of one query row, the one both operators use. The M heads' values
+   x[n] = a[n][j] * sc[n] (a: [M][stride]; sc: the scale or the softmax's 1 / sum of each head, or NULL for 1) give
+       out[m] = x[m] (1 + qdd[m]) + sum_i hq_i qw2[i][m] + x[m] kdd[m][j] + sum_i hk_i[j] kw2[i][m][j]
+   where hq_i = sum_n x[n] qw1[i][n] and hk_i[j] = sum_n x[n] kw1[i][n][j]. q: the row's query factors [2I+1][M];
+   k: the keys' factors [2I+1][M][stride], or NULL (query-wise). Each head's output goes to store(m, out), in head
+   order, after every head's input is read (so it may write over a). The hidden values stay in registers: each
+   score is read twice. Inlined with M and I constant where they can be (the loops unroll). */
+template <typename Store>
+static inline __attribute__((always_inline)) void compose8(const float *a, int stride, int j, const int M, const int I,
+                                                           const float *q, const float *k, const float *sc,
+                                                           Store store) {
     v8 hq[MAX_RANK], hk[MAX_RANK];
     for (int i = 0; i < I; i++) hq[i] = hk[i] = v8{};
     for (int n = 0; n < M; n++) {
-        const v8 x = load8(a + n * BLOCK + j) * sc[n];
+        const v8 x = sc ? load8(a + n * stride + j) * sc[n] : load8(a + n * stride + j);
         for (int i = 0; i < I; i++) {
             hq[i] += x * q[i * M + n];
-            if (k) hk[i] += x * load8(k + (i * M + n) * BLOCK + j);
+            if (k) hk[i] += x * load8(k + (i * M + n) * stride + j);
         }
     }
-    vi8 keep = {0};
-    if (masked) {
-        const vi8 idx = vi8{0, 1, 2, 3, 4, 5, 6, 7} + j;
-        keep = (idx >= lo) & (idx < hi);
-        if (pad) {
-            vi8 p;
-            for (int l = 0; l < V8; l++) p[l] = pad[j + l];
-            keep &= p != 0;
-        }
-    }
-    const vi8 fillv = (vi8)(v8{} + fill);
     for (int m = 0; m < M; m++) {
-        const v8 x = load8(a + m * BLOCK + j) * sc[m];
+        const v8 x = sc ? load8(a + m * stride + j) * sc[m] : load8(a + m * stride + j);
         v8 out = x * (1.0f + q[2 * I * M + m]);
         for (int i = 0; i < I; i++) out += hq[i] * q[(I + i) * M + m];
         if (k) {
-            out += x * load8(k + (2 * I * M + m) * BLOCK + j);
-            for (int i = 0; i < I; i++) out += hk[i] * load8(k + ((I + i) * M + m) * BLOCK + j);
+            out += x * load8(k + (2 * I * M + m) * stride + j);
+            for (int i = 0; i < I; i++) out += hk[i] * load8(k + ((I + i) * M + m) * stride + j);
         }
-        if (masked) out = (v8)(((vi8)out & keep) | (fillv & ~keep));
-        if (mx) {
-            float *lane = mx + m * VW + (j & (VW - 1));
-            const v8 top = load8(lane);
-            const vi8 up = out > top;
-            store8(lane, (v8)(((vi8)out & up) | ((vi8)top & ~up)));
-        }
-        store8(a + m * BLOCK + j, out);
+        store(m, out);
     }
 }
 
-/* compose8 over the keys [0, L) of a block (L a multiple of 16), compiled apart for rank 2 (the presets') with 4,
-   8, 12 or 16 heads a group (the loops over the heads unroll) and for ranks 1-4 (the loops over i unroll), with
-   and without key-wise factors, with and without masked keys. mx: each head's running maximum (16 lanes) or NULL:
-   [M][16]. */
+/* Runs SHAPE(HEADS, RANK) with the heads a group and the rank as compile-time constants where the presets need them
+   (rank 2 with 4, 8, 12 or 16 heads a group: the loops over the heads and the rank unroll) and the rank alone for
+   ranks 1-4; other shapes run the generic code. Both operators dispatch their Compose loops with it. */
+#define DISPATCH_SHAPES(SHAPE)                    \
+    if (I == 2 && M == 4) { SHAPE(4, 2); }        \
+    else if (I == 2 && M == 8) { SHAPE(8, 2); }   \
+    else if (I == 2 && M == 12) { SHAPE(12, 2); } \
+    else if (I == 2 && M == 16) { SHAPE(16, 2); } \
+    else switch (I) {                             \
+        case 1: SHAPE(M, 1); break;               \
+        case 2: SHAPE(M, 2); break;               \
+        case 3: SHAPE(M, 3); break;               \
+        case 4: SHAPE(M, 4); break;               \
+        default: SHAPE(M, I);                     \
+    }
+
+/* Compose in place on the keys [0, L) of a block (a: [M][BLOCK], L a multiple of 16; k: the block's key factors
+   [2I+1][M][BLOCK] or NULL), with keys outside [lo, hi) or padding (pad[j] == 0, where pad) set to `fill`; mx, where
+   given, each head's running maximum in 16 lanes ([M][16]; keys j..j+7 update lanes j % 16 ..). Compiled apart with
+   and without key-wise factors and masked keys. */
 static void compose_block(float *a, int L, int M, int I, const float *q, const float *k, const float *sc, int lo,
                           int hi, const uint8_t *pad, float fill, float *mx) {
     const int masked = lo > 0 || hi < L || pad;
-#define COMPOSE_LOOP(HEADS, RANK, K, MASKED) \
-    for (int j = 0; j < L; j += V8) compose8(a, j, HEADS, RANK, q, K, sc, MASKED, lo, hi, pad, fill, mx)
-#define COMPOSE_KM(HEADS, RANK)                                                          \
-    if (k && masked) COMPOSE_LOOP(HEADS, RANK, k, 1);                                    \
-    else if (k) COMPOSE_LOOP(HEADS, RANK, k, 0);                                         \
-    else if (masked) COMPOSE_LOOP(HEADS, RANK, static_cast<const float *>(nullptr), 1);  \
-    else COMPOSE_LOOP(HEADS, RANK, static_cast<const float *>(nullptr), 0);
-    if (I == 2 && M == 4) { COMPOSE_KM(4, 2); }
-    else if (I == 2 && M == 8) { COMPOSE_KM(8, 2); }
-    else if (I == 2 && M == 12) { COMPOSE_KM(12, 2); }
-    else if (I == 2 && M == 16) { COMPOSE_KM(16, 2); }
-    else switch (I) {
-        case 1: COMPOSE_KM(M, 1); break;
-        case 2: COMPOSE_KM(M, 2); break;
-        case 3: COMPOSE_KM(M, 3); break;
-        case 4: COMPOSE_KM(M, 4); break;
-        default: COMPOSE_KM(M, I);
+    const vi8 fillv = (vi8)(v8{} + fill);
+#define COMPOSE_LOOP(HEADS, RANK, K, MASKED)                                                        \
+    for (int j = 0; j < L; j += V8) {                                                               \
+        vi8 keep = {0};                                                                             \
+        if (MASKED) {                                                                               \
+            const vi8 idx = vi8{0, 1, 2, 3, 4, 5, 6, 7} + j;                                        \
+            keep = (idx >= lo) & (idx < hi);                                                        \
+            if (pad) {                                                                              \
+                vi8 p;                                                                              \
+                for (int l = 0; l < V8; l++) p[l] = pad[j + l];                                     \
+                keep &= p != 0;                                                                     \
+            }                                                                                       \
+        }                                                                                           \
+        compose8(a, BLOCK, j, HEADS, RANK, q, K, sc, [&](int m, v8 out) {                           \
+            if (MASKED) out = (v8)(((vi8)out & keep) | (fillv & ~keep));                            \
+            if (mx) {                                                                               \
+                float *lane = mx + m * VW + (j & (VW - 1));                                         \
+                const v8 top = load8(lane);                                                         \
+                const vi8 up = out > top;                                                           \
+                store8(lane, (v8)(((vi8)out & up) | ((vi8)top & ~up)));                             \
+            }                                                                                       \
+            store8(a + m * BLOCK + j, out);                                                         \
+        });                                                                                         \
     }
+#define COMPOSE_KM(HEADS, RANK)                                                          \
+    if (k && masked) COMPOSE_LOOP(HEADS, RANK, k, 1)                                     \
+    else if (k) COMPOSE_LOOP(HEADS, RANK, k, 0)                                          \
+    else if (masked) COMPOSE_LOOP(HEADS, RANK, static_cast<const float *>(nullptr), 1)   \
+    else COMPOSE_LOOP(HEADS, RANK, static_cast<const float *>(nullptr), 0)
+    DISPATCH_SHAPES(COMPOSE_KM)
 #undef COMPOSE_KM
 #undef COMPOSE_LOOP
+}
+
+/* The keys [lo, hi) of a block of L keys, the first at absolute position k0, that the query at absolute position
+   qpos sees (causal; within the window where window > 0), padding aside; hi <= lo when it sees none. */
+static inline void visible_span(int64_t qpos, int64_t k0, int64_t window, int L, int64_t *lo, int64_t *hi) {
+    const int64_t first = window > 0 ? qpos - window + 1 - k0 : 0, last = qpos + 1 - k0;
+    *lo = first < 0 ? 0 : first;
+    *hi = last > L ? L : last;
 }
 
 /* The exponentials of the softmax of one row of n values, in place, given the row's maximum (16 lanes); returns
@@ -202,11 +220,8 @@ static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const f
             for (int r = r0; r < r1; r++) {
                 if (r + 1 < r1)  /* the next row's block, from L3 while this one is worked on */
                     for (int n = 0; n < M; n++) prefetch_span(base + ((int64_t)n * c + r + 1) * s + j0, L);
-                const int64_t qpos = qpos0 + r, k0 = kpos0 + j0;
-                /* this row's visible keys in the block, before padding: [lo, hi) */
-                int64_t lo = window > 0 ? qpos - window + 1 - k0 : 0, hi = qpos + 1 - k0;
-                lo = lo < 0 ? 0 : lo;
-                hi = hi > L ? L : hi;
+                int64_t lo, hi;  /* this row's visible keys in the block, before padding */
+                visible_span(qpos0 + r, kpos0 + j0, window, L, &lo, &hi);
                 if (hi <= lo) { /* the row sees no key of the block */
                     for (int n = 0; n < M; n++) {
                         float *x = base + ((int64_t)n * c + r) * s + j0;
@@ -344,36 +359,11 @@ static inline float total(const float *__restrict__ x, int n) {
     return sum;
 }
 
-/* Compose of keys j..j+7 of one row: a, out [M][sv] (the step's input, scale applied, and its output); q [W][M] the
-   row's factors; k [W][M][sv] the keys' factors or NULL (query-wise). */
-static inline __attribute__((always_inline)) void compose_keys8(const float *__restrict__ a, float *__restrict__ out,
-                                                                 int sv, int j, int M, int I, const float *q,
-                                                                 const float *k) {
-    v8 hq[MAX_RANK], hk[MAX_RANK];
-    for (int i = 0; i < I; i++) hq[i] = hk[i] = v8{};
-    for (int n = 0; n < M; n++) {
-        const v8 x = load8(a + n * sv + j);
-        for (int i = 0; i < I; i++) {
-            hq[i] += x * q[i * M + n];
-            if (k) hk[i] += x * load8(k + (i * M + n) * sv + j);
-        }
-    }
-    for (int m = 0; m < M; m++) {
-        const v8 x = load8(a + m * sv + j);
-        v8 o = x * (1.0f + q[2 * I * M + m]);
-        for (int i = 0; i < I; i++) o += hq[i] * q[(I + i) * M + m];
-        if (k) {
-            o += x * load8(k + (2 * I * M + m) * sv + j);
-            for (int i = 0; i < I; i++) o += hk[i] * load8(k + ((I + i) * M + m) * sv + j);
-        }
-        store8(out + m * sv + j, o);
-    }
-}
-
-/* The gradient of compose_keys8 for keys j..j+7: given the input a and the output's gradient g ([M][sv]), writes
+/* The gradient of Compose (compose8 without scale) for keys j..j+7 of one row: given the input a and the
+   output's gradient g ([M][sv]), writes
    the input's gradient da; adds the row's factor gradients to dq ([W][M] accumulators of 8 lanes) and the keys'
    to dk (laid out like k). */
-static inline __attribute__((always_inline)) void compose_keys8_backward(
+static inline __attribute__((always_inline)) void compose8_backward(
         const float *__restrict__ a, const float *__restrict__ g, float *__restrict__ da, int sv, int j, int M, int I,
         const float *q, const float *k, v8 *__restrict__ dq, float *__restrict__ dk) {
     v8 hq[MAX_RANK], hk[MAX_RANK], gq[MAX_RANK], gk[MAX_RANK];  /* hidden values and their gradients */
@@ -413,43 +403,39 @@ static inline __attribute__((always_inline)) void compose_keys8_backward(
     }
 }
 
-/* The two over a whole row (sv keys, a multiple of 16), compiled apart for rank 2 (the presets') with 4, 8, 12 or 16
-   heads a group, and for rank 1 (the loops over i and n unroll), key-wise or query-wise. */
-#define DISPATCH(ROW)                                             \
-    if (I == 2 && M == 4 && k) ROW(4, 2, k);                      \
-    else if (I == 2 && M == 8 && k) ROW(8, 2, k);                 \
-    else if (I == 2 && M == 12 && k) ROW(12, 2, k);               \
-    else if (I == 2 && M == 16 && k) ROW(16, 2, k);               \
-    else if (I == 2 && k) ROW(M, 2, k);                           \
-    else if (I == 1 && k) ROW(M, 1, k);                           \
-    else if (k) ROW(M, I, k);                                     \
-    else ROW(M, I, static_cast<const float *>(nullptr));
-
+/* Compose and its gradient over a whole row: a, out, g, da [M][sv] (sv a multiple of 16), q [2I+1][M] the row's
+   factors, k [2I+1][M][sv] the keys' or NULL; dq, dk as compose8_backward's. */
 static void compose_row(const float *a, float *out, int sv, int M, int I, const float *q, const float *k) {
-#define ROW(HEADS, RANK, K) for (int j = 0; j < sv; j += V8) compose_keys8(a, out, sv, j, HEADS, RANK, q, K)
-    DISPATCH(ROW)
+#define ROW(HEADS, RANK, K)                                                                    \
+    for (int j = 0; j < sv; j += V8)                                                           \
+        compose8(a, sv, j, HEADS, RANK, q, K, static_cast<const float *>(nullptr),             \
+                 [&](int m, v8 o) { store8(out + m * sv + j, o); })
+#define ROW_K(HEADS, RANK) if (k) ROW(HEADS, RANK, k); else ROW(HEADS, RANK, static_cast<const float *>(nullptr));
+    DISPATCH_SHAPES(ROW_K)
+#undef ROW_K
 #undef ROW
 }
 
 static void compose_row_backward(const float *a, const float *g, float *da, int sv, int M, int I, const float *q,
                                  const float *k, v8 *dq, float *dk) {
 #define ROW(HEADS, RANK, K) \
-    for (int j = 0; j < sv; j += V8) compose_keys8_backward(a, g, da, sv, j, HEADS, RANK, q, K, dq, dk)
-    DISPATCH(ROW)
+    for (int j = 0; j < sv; j += V8) compose8_backward(a, g, da, sv, j, HEADS, RANK, q, K, dq, dk)
+#define ROW_K(HEADS, RANK) if (k) ROW(HEADS, RANK, k); else ROW(HEADS, RANK, static_cast<const float *>(nullptr));
+    DISPATCH_SHAPES(ROW_K)
+#undef ROW_K
 #undef ROW
 }
-#undef DISPATCH
+#undef DISPATCH_SHAPES
 
 /* The backward pass of one batch x group bg over the chunk's c query rows: raw [B, G*M, c, s], the q.k products,
    overwritten with the probabilities (the forward pass's output); grad [B, G*M, c, s], the gradient of the
    probabilities on entry and of raw on return. Factors and their gradients: [B, G, 2, 2I+1, M, T or S], time last
    (dkt NULL when kt is). A tile of BWD_ROWS rows goes over the keys in blocks of BWD_BLOCK three times, so that a block's
    key factors and their gradients stay in cache for all the tile's rows (a whole row's would not, at thousands of
-   keys): (0) Compose before the softmax, each row's running maximum and sum (an online softmax); (1) the softmax,
-   the gradient through Compose after it (dP -> dp, written over grad) and each row's sum of p dp; (2) the softmax
-   again, Compose after it (the probabilities, written over raw once read), the softmax's gradient and the gradient
-   through Compose before it (written over grad). Compose before the softmax is computed in each pass: cheaper than
-   keeping it. */
+   keys): (0) Compose before the softmax, kept for the tile (`kept`), each row's running maximum and sum (an online
+   softmax); (1) the softmax (over `kept`), the gradient through Compose after it (dP -> dp, written over grad) and
+   each row's sum of p dp; (2) Compose after the softmax (the probabilities, written over raw once read), the
+   softmax's gradient and the gradient through Compose before it (written over grad). */
 #define BWD_ROWS 16
 #define BWD_BLOCK 64   /* keys per block in the backward pass: a block's key factors and their gradients stay near L1 */
 static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int s, int I, const float *qt, float *dqt,
@@ -464,6 +450,9 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
        sum (then its inverse), the sum of p dp; per row: its factor gradients (8 lanes each) */
     std::vector<float> buffer(4 * rowb + 4 * kfb + (size_t)2 * F * BWD_ROWS + BWD_BLOCK + 3 * stats);
     std::vector<v8> dqv((size_t)BWD_ROWS * 2 * F);
+    /* the tile's rows after Compose before the softmax, masked ([BWD_ROWS][M][s]; about 0.5 MiB at 8 heads and 1024
+       keys: it stays in L2), written in pass 0; pass 1 turns them into the probabilities, which pass 2 reads */
+    std::vector<float> kept((size_t)BWD_ROWS * M * s);
     float *x0 = buffer.data(), *p = x0 + rowb, *gp = p + rowb, *d = gp + rowb;
     float *kf = d + rowb, *dkf = kf + 2 * kfb, *qf = dkf + 2 * kfb, *vis = qf + (size_t)2 * F * BWD_ROWS;
     float *top = vis + BWD_BLOCK, *sum = top + stats, *mean = sum + stats;
@@ -492,10 +481,8 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                 const float *k0 = kt ? kf : nullptr, *k1 = kt ? kf + kfb : nullptr;
                 for (int rr = 0; rr < R; rr++) {
                     const int r = r0 + rr;
-                    const int64_t qpos = qpos0 + r, k0pos = kpos0 + j0;
-                    int64_t lo = window > 0 ? qpos - window + 1 - k0pos : 0, hi = qpos + 1 - k0pos;
-                    lo = lo < 0 ? 0 : lo;
-                    hi = hi > L ? L : hi;
+                    int64_t lo, hi;
+                    visible_span(qpos0 + r, kpos0 + j0, window, L, &lo, &hi);
                     for (int j = 0; j < Lv; j++) vis[j] = (float)((j >= lo) & (j < hi));
                     if (pd)
                         for (int j = 0; j < L; j++) vis[j] *= (float)(pd[j0 + j] != 0);
@@ -503,34 +490,42 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                     if (rr + 1 < R)  /* the next row's block, from L3 while this one is worked on */
                         for (int n = 0; n < M; n++) {
                             const int64_t next = ((bg * M + n) * (int64_t)c + r + 1) * s + j0;
-                            prefetch_span(raw + next, L);
+                            if (phase != 1) prefetch_span(raw + next, L);
                             if (phase > 0) prefetch_span(grad + next, L);
                         }
                     for (int n = 0; n < M; n++) {
                         raw_row[n] = raw + ((bg * M + n) * (int64_t)c + r) * s + j0;
                         grad_row[n] = grad + ((bg * M + n) * (int64_t)c + r) * s + j0;
+                        if (phase == 1) continue;  /* pass 1 needs no input of Compose before the softmax */
                         for (int j = 0; j < L; j++) x0[n * Lv + j] = raw_row[n][j] * scale;
                         for (int j = L; j < Lv; j++) x0[n * Lv + j] = 0.0f;
                     }
                     const float *q0 = qf + rr * 2 * F, *q1 = q0 + F;
                     float *tp = top + rr * M, *sm = sum + rr * M, *mn = mean + rr * M;
-                    compose_row(x0, p, Lv, M, I, q0, k0);  /* Compose before the softmax */
-                    for (int m = 0; m < M; m++) {
-                        float *o = p + (size_t)m * Lv;
-                        for (int j = 0; j < L; j++) o[j] = vis[j] != 0.0f ? o[j] : -FLT_MAX;
-                        if (phase == 0) {  /* the running maximum and sum */
+                    float *kr = kept.data() + (size_t)rr * M * s + j0;  /* head m: kr + m * s */
+                    if (phase == 0) {  /* Compose before the softmax, kept; the running maximum and sum */
+                        compose_row(x0, p, Lv, M, I, q0, k0);
+                        for (int m = 0; m < M; m++) {
+                            float *o = p + (size_t)m * Lv;
+                            for (int j = 0; j < L; j++) o[j] = vis[j] != 0.0f ? o[j] : -FLT_MAX;
+                            std::memcpy(kr + (size_t)m * s, o, sizeof(float) * L);
                             const float bm = maximum(o, L);
                             const float nm = bm > tp[m] ? bm : tp[m];
                             for (int j = 0; j < L; j++) o[j] = exp_nonpos(o[j] - nm);
                             for (int j = L; j < Lv; j++) o[j] = 0.0f;
                             sm[m] = sm[m] * exp_nonpos(tp[m] - nm) + total(o, Lv);
                             tp[m] = nm;
-                        } else {  /* the softmax (sm holds 1 / sum here) */
-                            for (int j = 0; j < L; j++) o[j] = exp_nonpos(o[j] - tp[m]) * sm[m];
-                            for (int j = L; j < Lv; j++) o[j] = 0.0f;
                         }
+                        continue;
                     }
-                    if (phase == 0) continue;
+                    for (int m = 0; m < M; m++) {  /* the probabilities: computed in pass 1 (sm holds 1 / sum), kept */
+                        float *o = p + (size_t)m * Lv, *k_m = kr + (size_t)m * s;
+                        if (phase == 1)
+                            for (int j = 0; j < L; j++) k_m[j] = o[j] = exp_nonpos(k_m[j] - tp[m]) * sm[m];
+                        else
+                            std::memcpy(o, k_m, sizeof(float) * L);
+                        for (int j = L; j < Lv; j++) o[j] = 0.0f;
+                    }
                     v8 *dq = dqv.data() + rr * 2 * F;
                     if (phase == 1) {  /* dP -> dp through Compose after the softmax; sum of p dp */
                         for (int n = 0; n < M; n++) {
