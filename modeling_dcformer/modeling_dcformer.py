@@ -233,8 +233,7 @@ class DCFormerAttention(nn.Module):
 
         query_terms = key_terms = None
         if self.config.use_dcmha:
-            no_cache = cache is None or torch.compiler.is_compiling()
-            kept = None if no_cache else cache.projection_weights.setdefault(self.layer_idx, {})
+            kept = None if cache is None else cache.projection_weights.setdefault(self.layer_idx, {})
             terms = self.dyn_w_proj(hidden_states, kept)  # [B, T, G, C, 2I+1, M]
             if self.config.query_wise:  # slots (pre-query, post-query)
                 query_terms, key_terms = terms, None

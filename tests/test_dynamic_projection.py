@@ -134,6 +134,30 @@ def test_a_generations_kept_copy_is_reused_and_never_trains(proj):
     assert proj.dw1.grad is not None and proj.dw1.grad.abs().sum() > 0
 
 
+def test_the_kept_copy_is_made_and_reused_under_torch_compile():
+    """Compiled decoding (`torch.compile(model.forward)` with a static cache) keeps the generation's fused copy too:
+    the compiled prefill stores it in the cache, the compiled decode step reads it instead of copying the weights
+    again (at the 6.9B layer shape in bf16 the copy costs 8 ms a layer and token, the product with it 0.6 ms).
+    Dynamo's graph capture alone ("eager" backend) is under test: the dict's side effect and the guard on it."""
+    from modeling_dcformer.cache_dcformer import DCFormerCache
+
+    torch._dynamo.reset()
+    model = build_model(make_config(num_hidden_layers=1)).eval().to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
+    compiled = torch.compile(model.forward, backend="eager")
+    with torch.no_grad():
+        eager_cache = DCFormerCache(model.config, max_cache_len=8)
+        model(ids[:, :4], cache=eager_cache, use_cache=True)
+        eager = model(ids[:, 4:], cache=eager_cache, use_cache=True).logits
+        cache = DCFormerCache(model.config, max_cache_len=8)
+        compiled(ids[:, :4], cache=cache, use_cache=True)
+        weight = cache.projection_weights[0].get("weight")
+        assert weight is not None and weight.dtype == torch.bfloat16  # made by the compiled prefill, kept
+        step = compiled(ids[:, 4:], cache=cache, use_cache=True).logits
+        assert cache.projection_weights[0]["weight"] is weight  # the decode step read it, made no new one
+    assert torch.equal(step, eager)
+
+
 def test_every_forward_after_a_fused_optimizer_step_sees_the_new_weights():
     """A bf16 model evaluated with its cache on (as the Trainer's evaluation does), a fused AdamW step, then again:
     the second forward equals a fresh copy of the stepped model (each forward's cache is new: nothing kept across)."""
