@@ -10,8 +10,10 @@ corrupt file) is rebuilt, never loaded. The operator has a fake (meta) implement
 see it; its tiles run on PyTorch's intra-op thread pool (`at::parallel_for`). Training goes through
 `KernelAttention`: its backward pass recomputes each chunk's products and probabilities and runs the second operator,
 `torch.ops.dcformer.compose_softmax_compose_backward_` (the gradients of the products and of the composition
-factors, 16 query rows against blocks of 64 keys at a time), so "auto" uses the kernel for training on CPU too. This file is not part of a
-saved model's remote code.
+factors, 16 query rows against blocks of 64 keys at a time), so "auto" uses the kernel for training on CPU too. Two more
+operators serve inference: `torch.ops.dcformer.dynamic_terms`, the dynamic-weight projection in one call
+(`dynamic_terms`), and `torch.ops.dcformer.dcmha_decode`, a few queries' whole attention in one call
+(`decode_attention`: a decode step). This file is not part of a saved model's remote code.
 """
 
 import contextlib
@@ -39,6 +41,8 @@ CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fop
 STAMP = "build.sha256"
 # below this many scores a chunk runs on the calling thread: waking the pool costs more than a decode step's work
 PARALLEL_MIN_SCORES = 1 << 18
+# calls with at most this many queries (a decode step, assisted decoding's drafts) go to one operator call
+DECODE_MAX_QUERIES = 16
 _parallel_pid: int | None = None  # the process whose thread pool the kernel has used
 
 
@@ -192,6 +196,26 @@ class CPUKernelBackend(DCMHABackend):
             shutil.rmtree(private, ignore_errors=True)  # a failed build leaves nothing behind
 
     # -- the interface -------------------------------------------------------------------------------------------
+    def projection_operator(self, x: torch.Tensor, *weights: torch.Tensor):
+        """`dynamic_terms` where the dynamic-weight projection of x with `weights` (dw1, qkw, dd) may use it: no
+        gradient is recorded (the operator has none), all are float32 on CPU, not under autocast (whose products are
+        in half precision), nothing is being traced, and the kernel is built here (or builds now); else None
+        (`dcmha.projection_kernel`)."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
+            return None
+        if x.device.type != "cpu" or any(t.dtype != torch.float32 for t in (x, *weights)):
+            return None
+        if torch.is_autocast_enabled("cpu"):
+            return None
+        if torch.compiler.is_compiling() or self.failure is not None:
+            return None
+        if not self.loaded:
+            try:
+                self.load()
+            except RuntimeError:
+                return None
+        return dynamic_terms
+
     def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
         if not inputs.composed:
             return "no composition (use_dcmha=False)"
@@ -211,6 +235,8 @@ class CPUKernelBackend(DCMHABackend):
 
     def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
         B, N, T, S, Dh = inputs.shapes
+        if is_decode_call(inputs, output_attentions):
+            return decode_attention(inputs), None
         qt, kt = (None if t is None else t.float() for t in inputs.time_last_terms())
         pad = None if inputs.key_padding_mask is None else inputs.key_padding_mask.to(torch.uint8).contiguous()
         spans = inputs.chunk_spans()
@@ -222,6 +248,31 @@ class CPUKernelBackend(DCMHABackend):
         if needs_grad(inputs):  # the forward pass keeps only its inputs; the backward pass recomputes each chunk
             return KernelAttention.apply(call, inputs.query, inputs.key, inputs.value, qt, kt), None
         return kernel_forward(call, inputs.query, inputs.key, inputs.value, qt, kt, output_attentions)
+
+
+def is_decode_call(inputs: DCMHAInputs, output_attentions: bool = False) -> bool:
+    """Whether the call goes to `decode_attention`: at most DECODE_MAX_QUERIES queries with at least one key,
+    fp32, no gradient, no probabilities returned."""
+    _, _, T, S, _ = inputs.shapes
+    fp32 = inputs.query.dtype == inputs.key.dtype == inputs.value.dtype == torch.float32
+    return (0 < T <= DECODE_MAX_QUERIES and S > 0 and fp32 and not output_attentions and not inputs.symbolic_lengths
+            and not needs_grad(inputs))
+
+
+def decode_attention(inputs: DCMHAInputs) -> torch.Tensor:
+    """A few queries (a decode step, or a few draft tokens) in one operator call, `torch.ops.dcformer.dcmha_decode`:
+    the same arithmetic as the chunked path (q.k, then the operator of `compose_softmax_compose`, then times the
+    values), with the factors read where the model and its cache keep them. Returns the output [B, T, N, Dh]."""
+    KERNEL.load()
+    B, N, T, S, Dh = inputs.shapes
+    pad = inputs.key_padding_mask
+    pad = None if pad is None else pad.to(torch.uint8).contiguous()
+    with operator_errors():
+        return torch.ops.dcformer.dcmha_decode(
+            inputs.query, inputs.key, inputs.value, inputs.query_terms, inputs.key_terms, pad, inputs.query_start,
+            inputs.key_start, inputs.window_size or 0, Dh**-0.5, inputs.rank, inputs.num_groups,
+            runs_parallel(B * N * T * S) and B * inputs.num_groups > 1,
+        )  # fmt: skip
 
 
 class KernelCall(NamedTuple):
@@ -327,6 +378,16 @@ def register_fake() -> None:
           num_groups, query_terms_grad, key_terms_grad, parallel):  # fmt: skip
         return None
 
+    @torch.library.register_fake("dcformer::dcmha_decode")
+    def _(query, key, value, query_terms, key_terms, key_padding_mask, query_pos0, key_pos0, window, scale, rank,
+          num_groups, parallel):  # fmt: skip
+        return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+    @torch.library.register_fake("dcformer::dynamic_terms")
+    def _(x, dw1, dd, qkw, rank, eps, parallel):
+        G, C, _, _, M = qkw.shape
+        return x.new_empty(x.shape[0], G, C, 2 * rank + 1, M)
+
     register_fake.done = True
 
 
@@ -422,3 +483,13 @@ def compose_softmax_compose_backward(
             num_groups, query_terms_grad, key_terms_grad, runs_parallel(raw.numel()) and B * num_groups > 1,
         )  # fmt: skip
     return grad
+
+
+def dynamic_terms(x: torch.Tensor, dw1: torch.Tensor, dd: torch.Tensor, qkw: torch.Tensor, rank: int,
+                  eps: float) -> torch.Tensor:
+    """The dynamic-weight projection in one operator (inference: no gradient): x [R, D] (fp32, R = batch x time),
+    dw1 [D, G*C*K], dd [D, G*C*M] and qkw [G, C, K, 2I, M] give the factors [R, G, C, 2I+1, M] exactly as
+    `DynamicWeightProjection.forward` packs them (w1 RMS-normalised with `eps`, w2, tanh of the diagonal)."""
+    KERNEL.load()
+    with operator_errors():  # the operator checks its operands (fp32 CPU tensors of matching shapes)
+        return torch.ops.dcformer.dynamic_terms(x, dw1, dd, qkw, rank, eps, runs_parallel(x.shape[0] * qkw.numel()))

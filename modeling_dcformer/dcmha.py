@@ -113,6 +113,14 @@ def dcmha_attention(inputs: DCMHAInputs, implementation: str = "auto", *, output
         return eager(inputs, output_attentions=output_attentions, recompute=recompute)
 
 
+def projection_kernel(implementation: str, x: torch.Tensor, *weights: torch.Tensor):
+    """The CPU kernel's one-call dynamic-weight projection (cpu_kernel's projection_operator) where allowed, or None."""
+    kernel = DCMHA_BACKENDS["kernel"]
+    if implementation not in ("auto", "kernel") or not isinstance(kernel, LazyBackend) or kernel.backend is kernel:
+        return None
+    return kernel.backend.projection_operator(x, *weights)
+
+
 DCMHAInterface._global_mapping.update(
     eager=EAGER, compiled=COMPILED, kernel=LazyBackend("kernel", "cpu_kernel", "KERNEL"),
     triton=LazyBackend("triton", "triton_kernel", "TRITON"),

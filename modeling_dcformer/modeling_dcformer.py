@@ -30,7 +30,7 @@ from transformers.utils import logging
 from .cache_dcformer import DCFormerCache, check_cache, check_cache_implementation
 from .configuration_dcformer import DCFormerConfig, check_attn_implementation
 from .checkpoint_checks import check_dtypes, describe_mismatch
-from .dcmha import DCMHAInputs, dcmha_attention
+from .dcmha import DCMHAInputs, dcmha_attention, projection_kernel
 
 logger = logging.get_logger(__name__)
 
@@ -65,6 +65,8 @@ class DCFormerLayerNorm(nn.LayerNorm):
     """LayerNorm computed in fp32 whatever the parameter dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:  # no casts: each is a dispatched op, even when a no-op
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         weight, bias = self.weight.float(), self.bias.float()  # always there: built with elementwise_affine and bias
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
@@ -111,10 +113,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if rot == 0:
         return x
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x_rot, x_pass = x[..., :rot].float(), x[..., rot:]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x_rot = x_rot if x.dtype == torch.float32 else x_rot.float()  # a cast is a dispatched op, even as a no-op
     half = rot // 2  # "rotate half": (x1, x2) -> (-x2, x1)
     x_rot = x_rot * cos + torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1) * sin
-    return torch.cat((x_rot.to(x.dtype), x_pass), dim=-1)
+    return torch.cat((x_rot if x_rot.dtype == x.dtype else x_rot.to(x.dtype), x_pass), dim=-1)
 
 
 class DCFormerMLP(nn.Module):
@@ -183,14 +186,17 @@ class DynamicWeightProjection(nn.Module):
                 kept["weight"] = weight
         return F.linear(x, weight).split((dw1.shape[1], dd.shape[1]), dim=1)
 
-    def forward(self, x: torch.Tensor, kept: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kept: dict | None = None, implementation: str = "eager") -> torch.Tensor:
+        """The factors [B, T, G, C, 2I+1, M] of x [B, T, D]; one kernel call where allowed (dcmha.projection_kernel)."""
         B, T, D = x.shape
         G, C, I, M = self.num_groups, self.num_slots, self.rank, self.heads_per_group
-        K = self.dw1.shape[-1]
-        # bmm for the per-slot second layer (einsum's dispatch costs more than the products at a decode step)
+        dw1, qkw, dd, K = self.dw1, self.qkw, self.dd, self.dw1.shape[-1]
+        if (fused := projection_kernel(implementation, x, dw1, qkw, dd)) is not None:
+            return fused(x.reshape(-1, D), dw1.view(D, -1), dd.view(D, -1), qkw, I, DW_RMS_EPS).view(B, T, G, C, -1, M)
         h, diag = self.input_products(x.reshape(B * T, D), kept)
+        # bmm for the per-slot second layer (einsum's dispatch costs more than the products at a decode step)
         h = F.gelu(h)  # [BT, GCK]
-        w = torch.bmm(h.view(B * T, G * C, K).transpose(0, 1), self.qkw.to(x.dtype).view(G * C, K, 2 * I * M))
+        w = torch.bmm(h.view(B * T, G * C, K).transpose(0, 1), qkw.to(x.dtype).view(G * C, K, 2 * I * M))
         w = w.transpose(0, 1).reshape(B, T, G, C, 2 * I, M).float()  # [B, T, G, C, 2I, M]
         w1, w2 = w[..., :I, :], w[..., I:, :]
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + DW_RMS_EPS)
@@ -234,7 +240,7 @@ class DCFormerAttention(nn.Module):
         query_terms = key_terms = None
         if self.config.use_dcmha:
             kept = None if cache is None else cache.projection_weights.setdefault(self.layer_idx, {})
-            terms = self.dyn_w_proj(hidden_states, kept)  # [B, T, G, C, 2I+1, M]
+            terms = self.dyn_w_proj(hidden_states, kept, self.config.dcmha_implementation)  # [B, T, G, C, 2I+1, M]
             if self.config.query_wise:  # slots (pre-query, post-query)
                 query_terms, key_terms = terms, None
             else:  # slots (pre-query, pre-key, post-query, post-key)

@@ -519,8 +519,9 @@ def test_released_converter_pushes_with_base_model(fake_hub, tmp_path, capsys, m
 
 # 3,440 before issue 27, 2,817 before the released format and the saving helpers left it, 2,310 before the loading
 # additions (loading.py), the presets and the weight-file resolver left it, 2,207 before the push_to_hub upload step,
-# the CPU kernel's input helpers and code transformers already has left it; the issue's target is 2,000
-REMOTE_CODE_LINES = 1987  # what is left: the model, config, cache, DCMHA interface and backends, load-time checks
+# the CPU kernel's input helpers and code transformers already has left it; the issue's target is 2,000 (1,987 before
+# the hooks of the CPU kernel's inference operators: the projection's, the fp32 norm and rotary paths without casts)
+REMOTE_CODE_LINES = 2000  # what is left: the model, config, cache, DCMHA interface and backends, load-time checks
 
 
 def test_saved_python_is_only_what_computes(saved):

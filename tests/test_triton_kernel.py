@@ -20,7 +20,7 @@ import torch
 from helpers import VOCAB, assert_close, build_model, make_config, padded_batch
 from modeling_dcformer import triton_kernel
 from modeling_dcformer.dcmha import time_last
-from oracle import oracle_compose
+from oracle import oracle_attention
 
 pytestmark = pytest.mark.skipif(triton_kernel.triton is None, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,29 +30,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _runs_here():
     if not triton_kernel.available(DEVICE):
         pytest.skip(f"Triton kernels cannot run here: {triton_kernel.unsupported(torch.device(DEVICE), 1)}")
-
-
-def oracle_attention(q, k, v, qt, kt, pad, query_start, key_start, window, rank):
-    """DCMHA of one layer from the spec (float64 in, float64 out): q [B, N, T, Dh], k/v [B, N, S, Dh], qt
-    [B, T, G, 2, 2I+1, M], kt [B, S, G, 2, 2I+1, M] or None, pad [B, S] bool or None. Returns [B, T, N, Dh]."""
-    B, N, T, Dh = q.shape
-    S = k.shape[2]
-    q_pos, k_pos = torch.arange(query_start, query_start + T), torch.arange(key_start, key_start + S)
-    allowed = (k_pos[None, :] <= q_pos[:, None]).expand(B, T, S)
-    if window is not None:
-        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-    if pad is not None:
-        allowed = allowed & pad[:, None, :]
-    I = rank
-
-    def slot(terms, j):
-        return () if terms is None else (terms[:, :, :, j, :I], terms[:, :, :, j, I : 2 * I], terms[:, :, :, j, 2 * I])
-
-    mask = allowed[:, None]
-    pre = oracle_compose(q @ k.transpose(-1, -2) * Dh**-0.5, *slot(qt, 0), *slot(kt, 0))
-    probs = torch.softmax(pre.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)  # no visible key: 0
-    post = oracle_compose(probs, *slot(qt, 1), *slot(kt, 1)).masked_fill(~mask, 0.0)
-    return (post @ v).transpose(1, 2)
 
 
 CASES = {

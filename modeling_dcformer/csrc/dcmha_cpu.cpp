@@ -5,6 +5,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <cfloat>
@@ -613,6 +615,180 @@ static void compose_softmax_compose_backward_(const at::Tensor &raw, const at::T
         run(0, B * G);
 }
 
+/* ---------------------------------------------------------------------------------------------------------------
+   The dynamic-weight projection (spec, step 5) for inference, in one call: dcformer::dynamic_terms. x [R, D]
+   (R = batch x time), dw1 [D, G*C*K] and dd [D, G*C*M] (the parameters' own layout, viewed 2-D) and qkw
+   [G, C, K, 2I, M] give, per row, group g and slot c, the factors [w1; w2; dd] [2I+1, M] packed as
+   DynamicWeightProjection's forward packs them:
+       h = x @ dw1,  [w1; w2] = gelu(h[g, c]) @ qkw[g, c],  w1's rows RMS-normalised over M (eps),
+       dd = tanh((x @ dd)[g, c]).
+   The two products are ATen's; the rest is one pass over each row instead of the dozen PyTorch ops (and their
+   dispatch) of the Python forward, which at a decode step cost several times the products. */
+static at::Tensor dynamic_terms(const at::Tensor &x, const at::Tensor &dw1, const at::Tensor &dd, const at::Tensor &qkw,
+                                int64_t rank, double eps, bool parallel) {
+    auto check_2d = [](const at::Tensor &t, const char *name) {
+        TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2,
+                    "the dynamic-weight projection's operator takes 2-D float32 CPU tensors; ", name, " ", t.sizes(),
+                    " is not");
+    };
+    check_2d(x, "x");
+    check_2d(dw1, "dw1");
+    check_2d(dd, "dd");
+    fp32_cpu(qkw, "qkw");
+    TORCH_CHECK(rank >= 1 && qkw.dim() == 5 && qkw.size(3) == 2 * rank, "qkw ", qkw.sizes(),
+                " must be [G, C, K, 2 * rank, M] with rank ", rank);
+    const int64_t G = qkw.size(0), C = qkw.size(1), K = qkw.size(2), M = qkw.size(4), I = rank;
+    TORCH_CHECK(dw1.size(1) == G * C * K && dd.size(1) == G * C * M && dw1.size(0) == x.size(1) &&
+                    dd.size(0) == x.size(1),
+                "x ", x.sizes(), ", dw1 ", dw1.sizes(), " and dd ", dd.sizes(), " do not match qkw ", qkw.sizes());
+    const at::Tensor h = at::mm(x, dw1).contiguous(), diag = at::mm(x, dd).contiguous();
+    const int64_t R = x.size(0);
+    at::Tensor out = at::empty({R, G, C, 2 * I + 1, M}, h.options());
+    const float *hp = h.data_ptr<float>(), *dp = diag.data_ptr<float>(), *wp = qkw.data_ptr<float>();
+    float *op = out.data_ptr<float>();
+    const int64_t W = 2 * I * M, slot = (2 * I + 1) * M;
+    const float epsf = (float)eps;
+    auto run = [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; r++) {
+            for (int64_t gc = 0; gc < G * C; gc++) {
+                const float *a = hp + (r * G * C + gc) * K, *w = wp + gc * K * W, *d = dp + (r * G * C + gc) * M;
+                float *o = op + (r * G * C + gc) * slot;
+                for (int64_t j = 0; j < W; j++) o[j] = 0.0f;
+                for (int64_t k = 0; k < K; k++) {
+                    const float x = a[k], g = 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));  // exact GELU
+                    const float *wk = w + k * W;
+                    for (int64_t j = 0; j < W; j++) o[j] += g * wk[j];
+                }
+                for (int64_t i = 0; i < I; i++) {
+                    float ss = 0.0f;
+                    for (int64_t m = 0; m < M; m++) ss += o[i * M + m] * o[i * M + m];
+                    const float inv = 1.0f / std::sqrt(ss / (float)M + epsf);
+                    for (int64_t m = 0; m < M; m++) o[i * M + m] *= inv;
+                }
+                for (int64_t m = 0; m < M; m++) o[W + m] = std::tanh(d[m]);
+            }
+        }
+    };
+    if (parallel)
+        at::parallel_for(0, R, 1, run);
+    else
+        run(0, R);
+    return out;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   A few queries (a decode step) in one operator, for inference: dcformer::dcmha_decode. The whole attention of T
+   queries against S keys: q.k, Compose, mask, softmax, Compose (dcmha_tile, as in compose_softmax_compose_), then
+   the probabilities times the values, per batch x group, with the factors read in the layouts the model and its
+   cache hold them (time second, any strides) and copied time-last here. At a decode step the Python around the
+   chunked path (its matrix products, the factors' time-last copies, the checks) costs several times the
+   operator's own work; here it is one call.
+   query [B, N, T, Dh], key and value [B, N, S, Dh] (fp32, the last dimension contiguous); query_terms
+   [B, T, G, 2, 2I+1, M], key_terms [B, S, G, 2, 2I+1, M] or none (fp32); key_padding_mask [B, S] uint8 contiguous
+   or none; query t at absolute position query_pos0 + t, key j at key_pos0 + j. Returns [B, T, N, Dh]. */
+static void fp32_rows(const at::Tensor &t, const char *name, int64_t dims) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dims && t.stride(dims - 1) == 1,
+                "the DCMHA CPU kernel takes float32 CPU tensors of ", dims, " dimensions, the last contiguous; ",
+                name, " ", t.sizes(), " is not");
+}
+
+static at::Tensor dcmha_decode(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+                               const at::Tensor &query_terms, const std::optional<at::Tensor> &key_terms,
+                               const std::optional<at::Tensor> &key_padding_mask, int64_t query_pos0, int64_t key_pos0,
+                               int64_t window, double scale, int64_t rank, int64_t num_groups, bool parallel) {
+    fp32_rows(query, "query", 4);
+    fp32_rows(key, "key", 4);
+    fp32_rows(value, "value", 4);
+    const int64_t B = query.size(0), N = query.size(1), T = query.size(2), Dh = query.size(3), S = key.size(2);
+    TORCH_CHECK(key.size(0) == B && key.size(1) == N && key.size(3) == Dh && value.sizes().equals(key.sizes()),
+                "query ", query.sizes(), ", key ", key.sizes(), " and value ", value.sizes(), " do not match");
+    TORCH_CHECK(rank >= 1 && rank <= MAX_RANK, "the DCMHA CPU kernel supports 1 <= dynamic_rank <= ", MAX_RANK);
+    TORCH_CHECK(num_groups >= 1 && N % num_groups == 0, "bad num_groups");
+    const int64_t G = num_groups, M = N / G, I = rank, W = 2 * I + 1;
+    TORCH_CHECK(query_terms.device().is_cpu() && query_terms.scalar_type() == at::kFloat,
+                "query_terms must be float32 on CPU");
+    TORCH_CHECK(query_terms.dim() == 6 && query_terms.size(0) == B && query_terms.size(1) == T &&
+                    query_terms.size(2) == G && query_terms.size(3) == 2 && query_terms.size(4) == W &&
+                    query_terms.size(5) == M,
+                "query_terms ", query_terms.sizes(), " must be [", B, ", ", T, ", ", G, ", 2, ", W, ", ", M, "]");
+    if (key_terms.has_value()) {
+        const at::Tensor &k = *key_terms;
+        TORCH_CHECK(k.device().is_cpu() && k.scalar_type() == at::kFloat, "key_terms must be float32 on CPU");
+        TORCH_CHECK(k.dim() == 6 && k.size(0) == B && k.size(1) == S && k.size(2) == G && k.size(3) == 2 &&
+                        k.size(4) == W && k.size(5) == M,
+                    "key_terms ", k.sizes(), " must be [", B, ", ", S, ", ", G, ", 2, ", W, ", ", M, "]");
+    }
+    const uint8_t *pad = nullptr;
+    if (key_padding_mask.has_value()) {
+        const at::Tensor &p = *key_padding_mask;
+        TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 &&
+                        p.size(0) == B && p.size(1) == S,
+                    "key_padding_mask ", p.sizes(), " must be contiguous uint8 [", B, ", ", S, "]");
+        pad = p.data_ptr<uint8_t>();
+    }
+    at::Tensor out = at::empty({B, T, N, Dh}, query.options());
+    float *op = out.data_ptr<float>();
+    const float *qp = query.data_ptr<float>(), *kp = key.data_ptr<float>(), *vp = value.data_ptr<float>();
+    const float *qtp = query_terms.data_ptr<float>(), *ktp = key_terms ? key_terms->data_ptr<float>() : nullptr;
+    const auto qs = query.strides(), ks = key.strides(), vs = value.strides(), qts = query_terms.strides();
+    const std::vector<int64_t> kts = key_terms ? key_terms->strides().vec() : std::vector<int64_t>(6, 0);
+    auto run = [&](int64_t begin, int64_t end) {
+        /* one batch x group's scores [M, T, S] (laid out as dcmha_tile reads a chunk with bg = 0) and factors */
+        std::vector<float> scores((size_t)M * T * S), qt((size_t)2 * W * M * T), kt(ktp ? (size_t)2 * W * M * S : 0);
+        for (int64_t bg = begin; bg < end; bg++) {
+            const int64_t b = bg / G, g = bg % G;
+            for (int64_t slot = 0; slot < 2; slot++)
+                for (int64_t w = 0; w < W; w++)
+                    for (int64_t m = 0; m < M; m++) {
+                        const int64_t row = (slot * W + w) * M + m;
+                        const float *src = qtp + b * qts[0] + g * qts[2] + slot * qts[3] + w * qts[4] + m * qts[5];
+                        for (int64_t t = 0; t < T; t++) qt[row * T + t] = src[t * qts[1]];
+                        if (ktp) {
+                            const float *ksrc = ktp + b * kts[0] + g * kts[2] + slot * kts[3] + w * kts[4] + m * kts[5];
+                            for (int64_t j = 0; j < S; j++) kt[row * S + j] = ksrc[j * kts[1]];
+                        }
+                    }
+            for (int64_t m = 0; m < M; m++) {  /* the raw q.k products, 8 lanes at a time */
+                const int64_t n = g * M + m;
+                for (int64_t t = 0; t < T; t++) {
+                    const float *q = qp + b * qs[0] + n * qs[1] + t * qs[2];
+                    float *row = scores.data() + (m * T + t) * S;
+                    for (int64_t j = 0; j < S; j++) {
+                        const float *k = kp + b * ks[0] + n * ks[1] + j * ks[2];
+                        v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+                        int64_t d = 0;
+                        for (; d + V8 <= Dh; d += V8) acc += load8(q + d) * load8(k + d);
+                        float sum = 0.0f;
+                        for (; d < Dh; d++) sum += q[d] * k[d];
+                        for (int l = 0; l < V8; l++) sum += acc[l];
+                        row[j] = sum;
+                    }
+                }
+            }
+            dcmha_tile(scores.data(), 1, (int)M, (int)T, (int)S, (int)I, qt.data(), T, 0, ktp ? kt.data() : nullptr, S,
+                       0, pad ? pad + b * S : nullptr, 0, query_pos0, key_pos0, window, (float)scale, 0, 0, (int)T);
+            for (int64_t m = 0; m < M; m++) {  /* the probabilities times the values */
+                const int64_t n = g * M + m;
+                for (int64_t t = 0; t < T; t++) {
+                    const float *p = scores.data() + (m * T + t) * S;
+                    float *o = op + ((b * T + t) * N + n) * Dh;
+                    for (int64_t d = 0; d < Dh; d++) o[d] = 0.0f;
+                    for (int64_t j = 0; j < S; j++) {
+                        const float pj = p[j], *v = vp + b * vs[0] + n * vs[1] + j * vs[2];
+                        if (pj != 0.0f)
+                            for (int64_t d = 0; d < Dh; d++) o[d] += pj * v[d];
+                    }
+                }
+            }
+        }
+    };
+    if (parallel)
+        at::parallel_for(0, B * G, 1, run);
+    else
+        run(0, B * G);
+    return out;
+}
+
 TORCH_LIBRARY(dcformer, m) {
     m.def("compose_softmax_compose_(Tensor(a!) scores, Tensor query_terms, int t0, Tensor? key_terms, int s0, "
           "Tensor? key_padding_mask, int query_pos0, int key_pos0, int window, float scale, int rank, "
@@ -621,9 +797,15 @@ TORCH_LIBRARY(dcformer, m) {
           "Tensor? key_terms, int s0, Tensor? key_padding_mask, int query_pos0, int key_pos0, int window, "
           "float scale, int rank, int num_groups, Tensor(c!) query_terms_grad, Tensor(d!)? key_terms_grad, "
           "bool parallel) -> ()");
+    m.def("dynamic_terms(Tensor x, Tensor dw1, Tensor dd, Tensor qkw, int rank, float eps, bool parallel) -> Tensor");
+    m.def("dcmha_decode(Tensor query, Tensor key, Tensor value, Tensor query_terms, Tensor? key_terms, "
+          "Tensor? key_padding_mask, int query_pos0, int key_pos0, int window, float scale, int rank, "
+          "int num_groups, bool parallel) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dcformer, CPU, m) {
     m.impl("compose_softmax_compose_", compose_softmax_compose_);
     m.impl("compose_softmax_compose_backward_", compose_softmax_compose_backward_);
+    m.impl("dynamic_terms", dynamic_terms);
+    m.impl("dcmha_decode", dcmha_decode);
 }

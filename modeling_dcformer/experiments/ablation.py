@@ -242,7 +242,8 @@ class StaticComposition(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(G, C, I, M))
         self.dd = nn.Parameter(torch.zeros(G, C, 1, M))
 
-    def forward(self, x: torch.Tensor, kept: dict | None = None) -> torch.Tensor:  # kept: the projection's signature
+    def forward(self, x: torch.Tensor, kept: dict | None = None, implementation: str = "eager") -> torch.Tensor:
+        """The static factors for every position of x (`kept` and `implementation`: the projection's signature)."""
         B, T, _ = x.shape
         w1 = self.w1 * torch.rsqrt(self.w1.pow(2).mean(-1, keepdim=True) + DW_RMS_EPS)
         terms = torch.cat((w1, self.w2, torch.tanh(self.dd)), dim=2).float()  # [G, C, 2I+1, M]
