@@ -14,7 +14,12 @@ calls of one run (on any device: each is at least one kernel launch on a GPU, wh
     python benchmarks/profile_shapes.py --device cuda --implementation auto,triton  # each against NeoX, interleaved
 
 Phases: prefill (`--seq-len` tokens under inference_mode, cache filled, logits of the last position), decode
-(greedy `generate` of `--decode-new` tokens after `--decode-prompt`), train (loss + backward, no optimizer).
+(greedy `generate` of `--decode-new` tokens after `--decode-prompt`), step (`--decode-new` forward calls of one token
+against the cache of `--decode-prompt` tokens, each cropped back: one layer's decode step, from the model's own
+forward, without generate()), train (loss + backward, no optimizer).
+
+    python benchmarks/profile_shapes.py --preset dcpythia-pythia-70m --layers 1 --vocab 512 --dtype fp32 \
+        --phases step --decode-prompt 192 --decode-new 200 --repeats 7
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
 
 # one timer, profile table and --implementation for both scripts (benchmarks/ is on sys.path)
 from bench_train_step import implementation_list, timed, top_ops, where, with_implementation
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer import DCFormerCache, DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.modeling_dcformer import CACHE_NAME
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -65,7 +71,7 @@ def _build(kind: str, dc: DCFormerConfig, dtype: torch.dtype):
 
 def make_step(model, phase: str, args, vocab: int):
     gen = torch.Generator().manual_seed(1)
-    length = args.decode_prompt if phase == "decode" else args.seq_len
+    length = args.decode_prompt if phase in ("decode", "step") else args.seq_len
     ids = torch.randint(0, vocab, (args.batch, length), generator=gen).to(model.device)
     model.train(phase == "train")
     if phase == "prefill":
@@ -76,6 +82,20 @@ def make_step(model, phase: str, args, vocab: int):
         def step():
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             model.zero_grad(set_to_none=True)
+    elif phase == "step":  # single decode steps against the prompt's cache, each cropped back: no logits dilution
+        dc = isinstance(model, DCFormerForCausalLM)
+        cache = DCFormerCache(model.config) if dc else DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=True, **{CACHE_NAME: cache})
+        token, position = ids[:, -1:], torch.full((args.batch, 1), length, device=ids.device)
+
+        def step():
+            with torch.inference_mode():
+                for _ in range(args.decode_new):
+                    model(input_ids=token, position_ids=position, use_cache=True, **{CACHE_NAME: cache})
+                    cache.crop(-1)
+
+        step.cache = cache  # for a look after the runs
     else:
         def step():
             with torch.inference_mode():

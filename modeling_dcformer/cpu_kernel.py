@@ -197,16 +197,16 @@ class CPUKernelBackend(DCMHABackend):
 
     # -- the interface -------------------------------------------------------------------------------------------
     def projection_operator(self, x: torch.Tensor, *weights: torch.Tensor):
-        """`dynamic_terms` where the dynamic-weight projection of x with `weights` (dw1, qkw, dd) may use it: no
-        gradient is recorded (the operator has none), all are float32 on CPU, not under autocast (whose products are
-        in half precision), nothing is being traced, and the kernel is built here (or builds now); else None
-        (`dcmha.projection_kernel`)."""
+        """`dynamic_terms` where the dynamic-weight projection of x with `weights` (dw1, qkw, dd) may use it: at most
+        DECODE_MAX_QUERIES rows (batch x time), no gradient recorded (the operator has none), all float32 on CPU, not
+        under autocast (whose products are in half precision), nothing being traced, and the kernel built here (or
+        building now); else None (`dcmha.projection_kernel`)."""
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
             return None
         if x.device.type != "cpu" or any(t.dtype != torch.float32 for t in (x, *weights)):
             return None
-        if torch.is_autocast_enabled("cpu"):
-            return None
+        if torch.is_autocast_enabled("cpu") or x.numel() > DECODE_MAX_QUERIES * x.shape[-1]:
+            return None  # more rows: ATen's batched products beat the operator's loop per row (docs/performance.md)
         if torch.compiler.is_compiling() or self.failure is not None:
             return None
         if not self.loaded:

@@ -215,6 +215,31 @@ def test_profile_shapes_times_each_implementation_against_neox(monkeypatch, caps
                          r"+DC\[auto\]/NeoX [\d.]+$", line), line  # fmt: skip
 
 
+def test_profile_shapes_times_single_decode_steps_against_a_cache(monkeypatch, capsys):
+    """The "step" phase: one-token forward calls against the prompt's cache, cropped back after each, so every run
+    sees the same cache (the cache's length is checked after the runs)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("profile_shapes", ROOT / "benchmarks" / "profile_shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    caches = []
+    real = module.make_step
+
+    def recording(model, phase, args, vocab):
+        step = real(model, phase, args, vocab)
+        caches.append(step.cache)
+        return step
+
+    monkeypatch.setattr(module, "make_step", recording)
+    argv = ["--preset", "dcpythia-pythia-70m", "--layers", "1", "--vocab", "128", "--dtype", "fp32", "--phases",
+            "step", "--decode-prompt", "9", "--decode-new", "3", "--repeats", "2"]  # fmt: skip
+    assert module.main(argv) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("step"))
+    assert re.search(r"NeoX +[\d.]+ ms +DC +[\d.]+ ms +DC/NeoX [\d.]+$", line), line
+    assert sorted(type(c).__name__ for c in caches) == ["DCFormerCache", "DynamicCache"]
+    assert all(c.get_seq_length() == 9 for c in caches)  # cropped back after every step
+
+
 def test_bench_train_step_times_each_implementation_against_the_transformer(monkeypatch, capsys):
     """`bench_train_step.py --implementation a,b`: one column per dcmha_implementation, each with its ratio; a name that
     is not registered is an argparse error."""
