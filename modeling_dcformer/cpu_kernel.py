@@ -207,13 +207,12 @@ class CPUKernelBackend(DCMHABackend):
             return None
         if torch.is_autocast_enabled("cpu") or x.numel() > DECODE_MAX_QUERIES * x.shape[-1]:
             return None  # more rows: ATen's batched products beat the operator's loop per row (docs/performance.md)
-        if torch.compiler.is_compiling() or self.failure is not None:
+        if torch.compiler.is_compiling():
             return None
-        if not self.loaded:
-            try:
-                self.load()
-            except RuntimeError:
-                return None
+        try:
+            self.load()  # returns at once when built; a failed build is remembered and raises at once
+        except RuntimeError:
+            return None
         return dynamic_terms
 
     def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:

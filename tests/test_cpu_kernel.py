@@ -240,29 +240,35 @@ def test_a_forked_child_runs_the_kernel_on_its_own_thread(monkeypatch):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
 
 
-def test_auto_uses_the_kernel_for_inference_and_training(monkeypatch):
-    calls = []
-    for name in ("compose_softmax_compose", "compose_softmax_compose_backward"):
+def count_operator_calls(monkeypatch, *names: str) -> dict:
+    """Counts the calls of the `cpu_kernel` functions `names` (a dict, updated as they run)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
         real = getattr(cpu_kernel, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
+            calls[_name] += 1
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(cpu_kernel, name, counted)
+    return calls
+
+
+def test_auto_uses_the_kernel_for_inference_and_training(monkeypatch):
+    calls = count_operator_calls(monkeypatch, "compose_softmax_compose", "compose_softmax_compose_backward")
     model = build_model(make_config(num_hidden_layers=2, dcmha_implementation="auto"))
     # more queries than the decode operator takes: the chunked path
     ids = torch.randint(0, VOCAB, (1, cpu_kernel.DECODE_MAX_QUERIES + 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         inference = model(ids).logits
-    assert calls == ["compose_softmax_compose"] * 2  # one chunk per layer
-    calls.clear()
+    assert calls == {"compose_softmax_compose": 2, "compose_softmax_compose_backward": 0}  # one chunk per layer
+    calls.update(dict.fromkeys(calls, 0))
     training = model(ids).logits  # gradients wanted: the kernel's autograd Function
-    assert calls == ["compose_softmax_compose"] * 2
+    assert calls == {"compose_softmax_compose": 2, "compose_softmax_compose_backward": 0}
     # inference's projection is the kernel's operator (its own summation order and erf): not bit for bit
     assert_close(inference, training.detach(), atol=1e-4, rtol=1e-4)
     training.sum().backward()
-    assert calls.count("compose_softmax_compose_backward") == 2  # and the forward pass recomputed per chunk
+    assert calls["compose_softmax_compose_backward"] == 2  # and the forward pass recomputed per chunk
     model.config.dcmha_implementation = "eager"
     model.zero_grad()
     model(ids).logits.sum().backward()
@@ -534,24 +540,11 @@ def test_dynamic_terms_operator_matches_oracle(G, C, K, I, M, R):
         cpu_kernel.dynamic_terms(x.double(), dw1.view(D, -1), dd.view(D, -1), qkw, I, 1e-6)
 
 
-def count_operator_calls(monkeypatch) -> dict:
-    calls = {"decode_attention": 0, "dynamic_terms": 0, "compose_softmax_compose": 0}
-    for name in calls:
-        real = getattr(cpu_kernel, name)
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(cpu_kernel, name, counted)
-    return calls
-
-
 def test_where_the_model_uses_the_inference_operators(monkeypatch):
     """"auto" and "kernel" inference in fp32 use both operators for a few queries (up to 16 rows of batch x time:
     here 2 x 7) and neither for more; training, half precision, autocast and "eager" use neither; the logits are
     eager's every time."""
-    calls = count_operator_calls(monkeypatch)
+    calls = count_operator_calls(monkeypatch, "decode_attention", "dynamic_terms", "compose_softmax_compose")
     model = build_model(make_config(num_hidden_layers=2, num_head_groups=2, window_size=4, window_type="LG"))
     short, long = (torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(n))
                    for n in (7, cpu_kernel.DECODE_MAX_QUERIES + 3))  # fmt: skip
@@ -590,7 +583,7 @@ def test_where_the_model_uses_the_inference_operators(monkeypatch):
 def test_greedy_decoding_with_the_inference_operators_matches_eager(monkeypatch):
     """Generation through the cache (left padding, a local layer, groups, key-wise composition): every step's
     scores under "auto" (both operators) are eager's, and the operators ran at every step."""
-    calls = count_operator_calls(monkeypatch)
+    calls = count_operator_calls(monkeypatch, "decode_attention", "dynamic_terms", "compose_softmax_compose")
     model = build_model(make_config(num_hidden_layers=2, num_head_groups=2, window_size=4, window_type="LG"))
     model.generation_config.pad_token_id = 0
     ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(8))
