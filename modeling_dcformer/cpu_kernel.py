@@ -43,6 +43,10 @@ STAMP = "build.sha256"
 PARALLEL_MIN_SCORES = 1 << 18
 # calls with at most this many queries (a decode step, assisted decoding's drafts) go to one operator call
 DECODE_MAX_QUERIES = 16
+# the kernel's chunks hold at most this many queries (fewer where attention_chunk_size says so): a causal chunk of c
+# queries computes about c / 2 masked products a row, so 64 instead of 128 computes 25% fewer scores at 128 tokens
+# and 6% fewer at 1,024 (a training step 0.93-1.04x, median 0.99: docs/performance.md, round 9)
+KERNEL_CHUNK_QUERIES = 64
 _parallel_pid: int | None = None  # the process whose thread pool the kernel has used
 
 
@@ -238,7 +242,7 @@ class CPUKernelBackend(DCMHABackend):
             return decode_attention(inputs), None
         qt, kt = (None if t is None else t.float() for t in inputs.time_last_terms())
         pad = None if inputs.key_padding_mask is None else inputs.key_padding_mask.to(torch.uint8).contiguous()
-        spans = inputs.chunk_spans()
+        spans = inputs.chunk_spans(KERNEL_CHUNK_QUERIES)
         if not spans:
             probs = inputs.query.new_zeros(B, N, 0, S, dtype=torch.float32) if output_attentions else None
             return inputs.query.new_zeros(B, 0, N, Dh), probs

@@ -110,15 +110,15 @@ class DCMHAInputs:
         _, _, T, S, _ = self.shapes
         return not all(isinstance(n, int) for n in (T, S, self.query_start, self.key_start))
 
-    def chunk_spans(self) -> list[tuple[int, int, int, int]]:
-        """(t0, t1, s0, s1) for each chunk of queries: queries [t0, t1) and the keys [s0, s1) they can see (indices
-        into the call's queries and keys). With symbolic lengths, one chunk: every query against every key, masked."""
+    def chunk_spans(self, max_queries: int | None = None) -> list[tuple[int, int, int, int]]:
+        """(t0, t1, s0, s1) per chunk of queries_per_chunk (at most max_queries) queries: queries [t0, t1), the keys
+        [s0, s1) they can see (indices into the call's). With symbolic lengths, one chunk: all against all, masked."""
         _, _, T, S, _ = self.shapes
         if self.symbolic_lengths:
             return [(0, T, 0, S)]
-        spans = []
-        for t0 in range(0, T, self.queries_per_chunk):
-            t1 = min(T, t0 + self.queries_per_chunk)
+        spans, step = [], min(self.queries_per_chunk, max_queries or self.queries_per_chunk)
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
             first, last = self.query_start + t0, self.query_start + t1 - 1  # absolute indices of the queries
             s1 = min(S, last - self.key_start + 1)
             s0 = 0 if self.window_size is None else max(0, first - self.window_size + 1 - self.key_start)

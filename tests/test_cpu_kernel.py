@@ -280,6 +280,45 @@ def test_auto_uses_the_kernel_for_inference_and_training(monkeypatch):
         assert_close(param.grad, eager[name], atol=1e-4, rtol=1e-4)
 
 
+def test_chunk_spans_take_a_cap_on_queries():
+    """DCMHAInputs.chunk_spans(max_queries): chunks of min(queries_per_chunk, max_queries) queries, each with the
+    keys its last query sees (causal) or the window's; no cap, or a larger one, leaves the config's chunks."""
+    q = torch.zeros(1, 2, 10, 4)
+    terms = torch.zeros(1, 10, 1, 2, 5, 2)
+
+    def spans(chunk, window=None, cap=None):
+        return DCMHAInputs(q, q, q, terms, terms, 0, 0, None, window, 2, 1, chunk).chunk_spans(cap)
+
+    assert spans(8) == [(0, 8, 0, 8), (8, 10, 0, 10)]
+    assert spans(8, cap=16) == spans(8)
+    assert spans(8, cap=4) == [(0, 4, 0, 4), (4, 8, 0, 8), (8, 10, 0, 10)]
+    assert spans(8, window=128, cap=4) == spans(4, window=128)  # local layers: min(chunk, max(64, window // 2))
+    assert spans(8, window=3, cap=4) == [(0, 4, 0, 4), (4, 8, 2, 8), (8, 10, 6, 10)]
+
+
+@pytest.mark.parametrize("chunk", [128, 32])
+def test_kernel_chunks_hold_at_most_its_cap_of_queries(chunk, monkeypatch):
+    """The kernel attends KERNEL_CHUNK_QUERIES queries at a time where attention_chunk_size allows more (less masked
+    work per causal chunk), and the config's chunk where it is smaller; forward and gradients equal eager's (which
+    keeps the config's chunks)."""
+    cap = cpu_kernel.KERNEL_CHUNK_QUERIES
+    assert cap < 128
+    calls = count_operator_calls(monkeypatch, "compose_softmax_compose", "compose_softmax_compose_backward")
+    config = make_config(num_hidden_layers=2, attention_chunk_size=chunk, max_position_embeddings=256)
+    model = build_model(config)
+    ids = torch.randint(0, VOCAB, (2, 2 * cap + 3), generator=torch.Generator().manual_seed(5))
+    per_layer = -(-ids.shape[1] // min(chunk, cap))
+    model.config.dcmha_implementation = "kernel"
+    model(ids).logits.sum().backward()
+    assert calls == {"compose_softmax_compose": 2 * per_layer, "compose_softmax_compose_backward": 2 * per_layer}
+    kernel = {n: p.grad for n, p in model.named_parameters()}
+    model.config.dcmha_implementation = "eager"
+    model.zero_grad()
+    model(ids).logits.sum().backward()
+    for name, param in model.named_parameters():
+        assert_close(param.grad, kernel[name], atol=1e-4, rtol=1e-4)
+
+
 def probe(requires_grad=False, device="cpu", rank=2):
     q = torch.zeros(1, 4, 5, 8, device=device, requires_grad=requires_grad)
     terms = torch.zeros(1, 5, 1, 2, 2 * rank + 1, 4, device=device)
