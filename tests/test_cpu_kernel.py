@@ -309,12 +309,15 @@ def test_kernel_chunks_hold_at_most_its_cap_of_queries(chunk, monkeypatch):
     ids = torch.randint(0, VOCAB, (2, 2 * cap + 3), generator=torch.Generator().manual_seed(5))
     per_layer = -(-ids.shape[1] // min(chunk, cap))
     model.config.dcmha_implementation = "kernel"
-    model(ids).logits.sum().backward()
+    kernel_logits = model(ids).logits
+    kernel_logits.sum().backward()
     assert calls == {"compose_softmax_compose": 2 * per_layer, "compose_softmax_compose_backward": 2 * per_layer}
     kernel = {n: p.grad for n, p in model.named_parameters()}
     model.config.dcmha_implementation = "eager"
     model.zero_grad()
-    model(ids).logits.sum().backward()
+    eager_logits = model(ids).logits
+    eager_logits.sum().backward()
+    assert_close(kernel_logits.detach(), eager_logits.detach(), atol=1e-4, rtol=1e-4)
     for name, param in model.named_parameters():
         assert_close(param.grad, kernel[name], atol=1e-4, rtol=1e-4)
 
