@@ -1,6 +1,7 @@
 """benchmarks/bench_model.py: the training-step sweep (`--sweep --quick`, as a subprocess) and its arguments.
 No timing is asserted: only that the report, the table file, the JSON and the plot are there and well formed."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_model.py"
@@ -293,3 +295,60 @@ def test_cuda_check_runs_the_gpu_tests_first_and_every_benchmark_step_parses(mon
         assert args.device == "cuda", name
         scripts.add(path.name)
     assert scripts == {"bench_attention.py", "profile_shapes.py", "bench_train_step.py"}
+
+
+@pytest.fixture(scope="module")
+def ab_kernel():
+    """benchmarks/ab_kernel_source.py as a module."""
+    spec = importlib.util.spec_from_file_location("ab_kernel_source", ROOT / "benchmarks" / "ab_kernel_source.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_kernel_source_renames_every_registration_and_parses_shapes(ab_kernel):
+    """Each variant's operators go to their own namespace (all three registration macros, nothing else); a source
+    without the dcformer library and a malformed shape are clear errors."""
+    text = (ROOT / "modeling_dcformer" / "csrc" / "dcmha_cpu.cpp").read_text()
+    renamed = ab_kernel.renamed_source(text, "dcformer_ab_x")
+    assert "TORCH_LIBRARY(dcformer_ab_x," in renamed and "TORCH_LIBRARY_IMPL(dcformer_ab_x, CPU" in renamed
+    assert not re.search(r"TORCH_LIBRARY\w*\(dcformer\b", renamed)
+    assert ab_kernel.renamed_source("TORCH_LIBRARY_FRAGMENT(dcformer, m) {}", "n") == "TORCH_LIBRARY_FRAGMENT(n, m) {}"
+    with pytest.raises(ValueError, match="no operator in the dcformer namespace"):
+        ab_kernel.renamed_source("TORCH_LIBRARY(dcformerx, m) {}", "n")
+    assert ab_kernel.parse_shapes("1x2x3x4,5x6x7x8") == [(1, 2, 3, 4), (5, 6, 7, 8)]
+    for bad in ("1x2x3", "1x2x0x4", "1x2x5x4", "ax2x3x4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ab_kernel.parse_shapes(bad)
+    with pytest.raises(FileNotFoundError, match="no kernel source"):
+        ab_kernel.build("/nonexistent/dcmha_cpu.cpp:-O2", Path("/tmp"))
+
+
+def test_ab_kernel_source_times_variants_and_flags_one_that_computes_something_else(ab_kernel, capsys):
+    """compare(): a row per shape and variant with times, ratios to the first and the outputs' difference, 0 for the
+    same operators; a variant whose backward operator leaves the gradients alone shows a large difference."""
+    from modeling_dcformer import cpu_kernel
+
+    if not cpu_kernel.available():
+        pytest.skip(f"the CPU kernel cannot be built here: {cpu_kernel.KERNEL.failure}")
+    ops = torch.ops.dcformer
+
+    class NoBackward:  # the forward operator as is; a backward operator that does nothing
+        compose_softmax_compose_ = ops.compose_softmax_compose_
+
+        @staticmethod
+        def compose_softmax_compose_backward_(*args):
+            return None
+
+    rows = ab_kernel.compare([("a", ops), ("b", ops), ("broken", NoBackward)], [(1, 2, 3, 20), (2, 4, 8, 8)], 2)
+    assert [(r["shape"], r["variant"]) for r in rows] == [
+        ("1x2x3x20", "a"), ("1x2x3x20", "b"), ("1x2x3x20", "broken"), ("2x4x8x8", "a"), ("2x4x8x8", "b"),
+        ("2x4x8x8", "broken")]  # fmt: skip
+    for row in rows:
+        assert row["forward_ns"] > 0 and row["backward_ns"] > 0 and row["backward_ratio"] > 0
+        assert row["forward_difference"] == 0.0
+        assert (row["backward_difference"] > 0.1) == (row["variant"] == "broken"), row
+    assert all(r["forward_ratio"] == 1.0 and r["backward_ratio"] == 1.0 for r in rows if r["variant"] == "a")
+    ab_kernel.print_rows(rows)
+    out = capsys.readouterr().out
+    assert out.count("\n| 1x2x3x20 |") == 3 and "| `broken` |" in out

@@ -205,3 +205,26 @@ def test_calibrating_some_sizes_keeps_the_others():
     again = study.merge_calibration(merged, {**new, "date": "day 3"})  # a third calibration keeps 128's own date
     assert again["measured"]["128"]["date"] == "day 1" and again["measured"]["256"]["date"] == "day 3"
     assert study.merge_calibration(None, new)["step_seconds"] == new["step_seconds"]
+
+
+def test_calibration_interleaves_the_models_step_by_step(monkeypatch):
+    """`calibrate` times `steps * rounds` steps of each model after `warmup` each, one step of each model in turn
+    (T, DC, DC-qk, T, ...), so that a change of load hits all three alike; it reports a median per model."""
+    calls = []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, kind):
+            super().__init__()
+            self.kind, self.weight = kind, torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, input_ids, labels, use_cache):
+            calls.append(self.kind)
+            return type("Out", (), {"loss": (self.weight * input_ids.float().mean()).sum()})()
+
+    configs = {"transformer": "T", "dcformer": "DC", "dcformer-qk": "DCqk"}
+    monkeypatch.setattr(study, "calibration_configs", lambda *shape: configs)
+    monkeypatch.setattr(study, "build_model", lambda kind, config: (Recorder(config), None))
+    result = study.calibrate(Path("."), [128], steps=2, warmup=1, rounds=2)
+    assert calls == ["T", "DC", "DCqk"] * 5
+    assert set(result["step_seconds"]["128"]) == set(configs) and result["interleaved"] == "step"
+    assert all(v >= 0 for v in result["step_cpu_seconds"]["128"].values())

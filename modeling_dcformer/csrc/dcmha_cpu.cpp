@@ -16,6 +16,12 @@
 #include <vector>
 
 #define BLOCK 128      /* keys per block: the rows of a tile share the block's key factors, copied to L1 */
+/* Floats from one row of a block buffer to the next: BLOCK + 8. Rows a power of two apart (512 bytes) would put
+   every eighth row at the same address modulo 4 KiB, and a load whose address matches a recent store's low 12
+   bits waits for that store to retire (4K aliasing): Compose stores each head's output while it loads the others'
+   inputs and the key factors. With the 32-byte offset a row, the forward operator took 0.74-0.80x its time at 16
+   and 32 heads a group, about the same at 4-12 (docs/performance.md, round 10). */
+#define STRIDE (BLOCK + 8)
 #define MAX_RANK 8
 #define MAX_HEADS 256  /* heads per group the backward pass supports */
 
@@ -99,8 +105,8 @@ static inline __attribute__((always_inline)) void compose8(const float *a, int s
         default: SHAPE(M, I);                     \
     }
 
-/* Compose in place on the keys [0, L) of a block (a: [M][BLOCK], L a multiple of 16; k: the block's key factors
-   [2I+1][M][BLOCK] or NULL), with keys outside [lo, hi) or padding (pad[j] == 0, where pad) set to `fill`; mx, where
+/* Compose in place on the keys [0, L) of a block (a: [M][STRIDE], L a multiple of 16; k: the block's key factors
+   [2I+1][M][STRIDE] or NULL), with keys outside [lo, hi) or padding (pad[j] == 0, where pad) set to `fill`; mx, where
    given, each head's running maximum in 16 lanes ([M][16]; keys j..j+7 update lanes j % 16 ..). Compiled apart with
    and without key-wise factors and masked keys. */
 static void compose_block(float *a, int L, int M, int I, const float *q, const float *k, const float *sc, int lo,
@@ -119,7 +125,7 @@ static void compose_block(float *a, int L, int M, int I, const float *q, const f
                 keep &= p != 0;                                                                     \
             }                                                                                       \
         }                                                                                           \
-        compose8(a, BLOCK, j, HEADS, RANK, q, K, sc, [&](int m, v8 out) {                           \
+        compose8(a, STRIDE, j, HEADS, RANK, q, K, sc, [&](int m, v8 out) {                           \
             if (MASKED) out = (v8)(((vi8)out & keep) | (fillv & ~keep));                            \
             if (mx) {                                                                               \
                 float *lane = mx + m * VW + (j & (VW - 1));                                         \
@@ -127,7 +133,7 @@ static void compose_block(float *a, int L, int M, int I, const float *q, const f
                 const vi8 up = out > top;                                                           \
                 store8(lane, (v8)(((vi8)out & up) | ((vi8)top & ~up)));                             \
             }                                                                                       \
-            store8(a + m * BLOCK + j, out);                                                         \
+            store8(a + m * STRIDE + j, out);                                                        \
         });                                                                                         \
     }
 #define COMPOSE_KM(HEADS, RANK)                                                          \
@@ -190,11 +196,11 @@ static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const f
     const int64_t b = bg / G;
     /* per row and head: 1 / sum of the softmax; the scale; a block of scores, of key factors; the query factors of
        each row; per row and head, the running max of the composed scores (16 lanes) */
-    std::vector<float> buffer((size_t)(R + 1) * M + (size_t)(1 + W) * M * BLOCK + (size_t)R * W * M);
+    std::vector<float> buffer((size_t)(R + 1) * M + (size_t)(1 + W) * M * STRIDE + (size_t)R * W * M);
     std::vector<float> maxima((size_t)VW * R * M);
     float *sc = buffer.data(), *mx = maxima.data();
-    float *pre = sc + (size_t)R * M, *xb = pre + M, *kb = xb + (size_t)M * BLOCK;
-    float *qb = kb + (size_t)W * M * BLOCK;
+    float *pre = sc + (size_t)R * M, *xb = pre + M, *kb = xb + (size_t)M * STRIDE;
+    float *qb = kb + (size_t)W * M * STRIDE;
     uint8_t pb[BLOCK];  /* the block's padding bytes */
     for (int n = 0; n < M; n++) pre[n] = scale;
     float *base = scores + bg * M * c * s;  /* head n, row r: base + (n * c + r) * s */
@@ -216,7 +222,7 @@ static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const f
             const int L = s - j0 < BLOCK ? s - j0 : BLOCK, Lv = (L + VW - 1) / VW * VW;
             if (ks)
                 for (int w = 0; w < W * M; w++)
-                    for (int j = 0; j < Lv; j++) kb[w * BLOCK + j] = j < L ? ks[(int64_t)w * S + j0 + j] : 0.0f;
+                    for (int j = 0; j < Lv; j++) kb[w * STRIDE + j] = j < L ? ks[(int64_t)w * S + j0 + j] : 0.0f;
             if (pd)
                 for (int j = 0; j < Lv; j++) pb[j] = j < L ? pd[j0 + j] : 0;
             for (int r = r0; r < r1; r++) {
@@ -232,14 +238,14 @@ static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const f
                     continue;
                 }
                 for (int n = 0; n < M; n++) {
-                    std::memcpy(xb + n * BLOCK, base + ((int64_t)n * c + r) * s + j0, sizeof(float) * L);
-                    for (int j = L; j < Lv; j++) xb[n * BLOCK + j] = 0.0f;
+                    std::memcpy(xb + n * STRIDE, base + ((int64_t)n * c + r) * s + j0, sizeof(float) * L);
+                    for (int j = L; j < Lv; j++) xb[n * STRIDE + j] = 0.0f;
                 }
                 compose_block(xb, Lv, M, I, qb + (r - r0) * W * M, ks ? kb : nullptr,
                               slot == 0 ? pre : sc + (r - r0) * M, (int)lo, (int)hi, pd ? pb : nullptr, fill,
                               slot == 0 ? mx + (r - r0) * M * VW : nullptr);
                 for (int n = 0; n < M; n++)
-                    std::memcpy(base + ((int64_t)n * c + r) * s + j0, xb + n * BLOCK, sizeof(float) * L);
+                    std::memcpy(base + ((int64_t)n * c + r) * s + j0, xb + n * STRIDE, sizeof(float) * L);
             }
         }
     }
@@ -405,11 +411,11 @@ static inline __attribute__((always_inline)) void compose8_backward(
     }
 }
 
-/* Compose and its gradient over a whole row: a, out, g, da [M][sv] (sv a multiple of 16), q [2I+1][M] the row's
-   factors, k [2I+1][M][sv] the keys' or NULL; dq, dk as compose8_backward's. */
-static void compose_row(const float *a, float *out, int sv, int M, int I, const float *q, const float *k) {
+/* Compose and its gradient over the first len keys of a row (len a multiple of 16): a, out, g, da [M][sv], q
+   [2I+1][M] the row's factors, k [2I+1][M][sv] the keys' or NULL; dq, dk as compose8_backward's. */
+static void compose_row(const float *a, float *out, int len, int sv, int M, int I, const float *q, const float *k) {
 #define ROW(HEADS, RANK, K)                                                                    \
-    for (int j = 0; j < sv; j += V8)                                                           \
+    for (int j = 0; j < len; j += V8)                                                          \
         compose8(a, sv, j, HEADS, RANK, q, K, static_cast<const float *>(nullptr),             \
                  [&](int m, v8 o) { store8(out + m * sv + j, o); })
 #define ROW_K(HEADS, RANK) if (k) ROW(HEADS, RANK, k); else ROW(HEADS, RANK, static_cast<const float *>(nullptr));
@@ -418,10 +424,10 @@ static void compose_row(const float *a, float *out, int sv, int M, int I, const 
 #undef ROW
 }
 
-static void compose_row_backward(const float *a, const float *g, float *da, int sv, int M, int I, const float *q,
-                                 const float *k, v8 *dq, float *dk) {
+static void compose_row_backward(const float *a, const float *g, float *da, int len, int sv, int M, int I,
+                                 const float *q, const float *k, v8 *dq, float *dk) {
 #define ROW(HEADS, RANK, K) \
-    for (int j = 0; j < sv; j += V8) compose8_backward(a, g, da, sv, j, HEADS, RANK, q, K, dq, dk)
+    for (int j = 0; j < len; j += V8) compose8_backward(a, g, da, sv, j, HEADS, RANK, q, K, dq, dk)
 #define ROW_K(HEADS, RANK) if (k) ROW(HEADS, RANK, k); else ROW(HEADS, RANK, static_cast<const float *>(nullptr));
     DISPATCH_SHAPES(ROW_K)
 #undef ROW_K
@@ -440,12 +446,16 @@ static void compose_row_backward(const float *a, const float *g, float *da, int 
    softmax's gradient and the gradient through Compose before it (written over grad). */
 #define BWD_ROWS 16
 #define BWD_BLOCK 64   /* keys per block in the backward pass: a block's key factors and their gradients stay near L1 */
+/* floats from one row of a block buffer to the next: BWD_BLOCK + 8, not a power of two, as STRIDE (4K aliasing
+   between the Compose gradients' stores and loads: 0.83-0.90x the time at 4-12 heads a group, 0.62-0.77x at 16
+   and 32, docs/performance.md, round 10) */
+#define BWD_STRIDE (BWD_BLOCK + 8)
 static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int s, int I, const float *qt, float *dqt,
                               int64_t T, int64_t t0, const float *kt, float *dkt, int64_t S, int64_t s0,
                               const uint8_t *pad, int64_t pad_stride, int64_t qpos0, int64_t kpos0, int64_t window,
                               float scale, int64_t bg) {
-    const int W = 2 * I + 1, F = W * M;
-    const size_t rowb = (size_t)M * BWD_BLOCK, kfb = kt ? (size_t)F * BWD_BLOCK : 0, stats = (size_t)BWD_ROWS * M;
+    const int W = 2 * I + 1, F = W * M, P = BWD_STRIDE;
+    const size_t rowb = (size_t)M * BWD_STRIDE, kfb = kt ? (size_t)F * BWD_STRIDE : 0, stats = (size_t)BWD_ROWS * M;
     /* per row and block: x0 the scaled products, p the probabilities (before Compose after the softmax), gp a
        gradient, d an input's gradient or an output; the block's key factors of both slots and their gradients;
        the tile's factors; the block's visible keys of a row (1 or 0); per row and head: the running maximum, the
@@ -475,7 +485,7 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                 for (int slot = 0; slot < 2 && kt; slot++)
                     for (int w = 0; w < F; w++) {
                         const float *src = kt + ((bg * 2 + slot) * F + w) * S + s0 + j0;
-                        float *dst = kf + slot * kfb + (size_t)w * Lv, *dd = dkf + slot * kfb + (size_t)w * Lv;
+                        float *dst = kf + slot * kfb + (size_t)w * P, *dd = dkf + slot * kfb + (size_t)w * P;
                         std::memcpy(dst, src, sizeof(float) * L);
                         for (int j = L; j < Lv; j++) dst[j] = 0.0f;
                         std::memset(dd, 0, sizeof(float) * Lv);
@@ -499,16 +509,16 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                         raw_row[n] = raw + ((bg * M + n) * (int64_t)c + r) * s + j0;
                         grad_row[n] = grad + ((bg * M + n) * (int64_t)c + r) * s + j0;
                         if (phase == 1) continue;  /* pass 1 needs no input of Compose before the softmax */
-                        for (int j = 0; j < L; j++) x0[n * Lv + j] = raw_row[n][j] * scale;
-                        for (int j = L; j < Lv; j++) x0[n * Lv + j] = 0.0f;
+                        for (int j = 0; j < L; j++) x0[n * P + j] = raw_row[n][j] * scale;
+                        for (int j = L; j < Lv; j++) x0[n * P + j] = 0.0f;
                     }
                     const float *q0 = qf + rr * 2 * F, *q1 = q0 + F;
                     float *tp = top + rr * M, *sm = sum + rr * M, *mn = mean + rr * M;
                     float *kr = kept.data() + (size_t)rr * M * s + j0;  /* head m: kr + m * s */
                     if (phase == 0) {  /* Compose before the softmax, kept; the running maximum and sum */
-                        compose_row(x0, p, Lv, M, I, q0, k0);
+                        compose_row(x0, p, Lv, P, M, I, q0, k0);
                         for (int m = 0; m < M; m++) {
-                            float *o = p + (size_t)m * Lv;
+                            float *o = p + (size_t)m * P;
                             for (int j = 0; j < L; j++) o[j] = vis[j] != 0.0f ? o[j] : -FLT_MAX;
                             std::memcpy(kr + (size_t)m * s, o, sizeof(float) * L);
                             const float bm = maximum(o, L);
@@ -521,7 +531,7 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                         continue;
                     }
                     for (int m = 0; m < M; m++) {  /* the probabilities: computed in pass 1 (sm holds 1 / sum), kept */
-                        float *o = p + (size_t)m * Lv, *k_m = kr + (size_t)m * s;
+                        float *o = p + (size_t)m * P, *k_m = kr + (size_t)m * s;
                         if (phase == 1)
                             for (int j = 0; j < L; j++) k_m[j] = o[j] = exp_nonpos(k_m[j] - tp[m]) * sm[m];
                         else
@@ -531,34 +541,34 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                     v8 *dq = dqv.data() + rr * 2 * F;
                     if (phase == 1) {  /* dP -> dp through Compose after the softmax; sum of p dp */
                         for (int n = 0; n < M; n++) {
-                            for (int j = 0; j < L; j++) gp[n * Lv + j] = grad_row[n][j] * vis[j];
-                            for (int j = L; j < Lv; j++) gp[n * Lv + j] = 0.0f;
+                            for (int j = 0; j < L; j++) gp[n * P + j] = grad_row[n][j] * vis[j];
+                            for (int j = L; j < Lv; j++) gp[n * P + j] = 0.0f;
                         }
-                        compose_row_backward(p, gp, d, Lv, M, I, q1, k1, dq + F, dkf + kfb);
+                        compose_row_backward(p, gp, d, Lv, P, M, I, q1, k1, dq + F, dkf + kfb);
                         for (int n = 0; n < M; n++) {
                             v8 acc = v8{};
-                            for (int j = 0; j < Lv; j += V8) acc += load8(p + n * Lv + j) * load8(d + n * Lv + j);
+                            for (int j = 0; j < Lv; j += V8) acc += load8(p + n * P + j) * load8(d + n * P + j);
                             for (int l = 0; l < V8; l++) mn[n] += acc[l];
-                            for (int j = 0; j < L; j++) grad_row[n][j] = d[n * Lv + j];
+                            for (int j = 0; j < L; j++) grad_row[n][j] = d[n * P + j];
                         }
                         continue;
                     }
                     /* phase 2: the probabilities over raw; the softmax's gradient; Compose before it */
-                    compose_row(p, d, Lv, M, I, q1, k1);
+                    compose_row(p, d, Lv, P, M, I, q1, k1);
                     for (int n = 0; n < M; n++) {
-                        for (int j = 0; j < L; j++) raw_row[n][j] = d[n * Lv + j] * vis[j];
-                        for (int j = 0; j < L; j++) gp[n * Lv + j] = p[n * Lv + j] * (grad_row[n][j] - mn[n]) * vis[j];
-                        for (int j = L; j < Lv; j++) gp[n * Lv + j] = 0.0f;
+                        for (int j = 0; j < L; j++) raw_row[n][j] = d[n * P + j] * vis[j];
+                        for (int j = 0; j < L; j++) gp[n * P + j] = p[n * P + j] * (grad_row[n][j] - mn[n]) * vis[j];
+                        for (int j = L; j < Lv; j++) gp[n * P + j] = 0.0f;
                     }
-                    compose_row_backward(x0, gp, d, Lv, M, I, q0, k0, dq, dkf);
+                    compose_row_backward(x0, gp, d, Lv, P, M, I, q0, k0, dq, dkf);
                     for (int n = 0; n < M; n++)
-                        for (int j = 0; j < L; j++) grad_row[n][j] = d[n * Lv + j] * scale;
+                        for (int j = 0; j < L; j++) grad_row[n][j] = d[n * P + j] * scale;
                 }
                 if (phase > 0 && kt) {  /* the block's key factor gradients of this slot, summed over the tile */
                     const int slot = phase == 1 ? 1 : 0;
                     for (int w = 0; w < F; w++) {
                         float *dst = dkt + ((bg * 2 + slot) * F + w) * S + s0 + j0;
-                        const float *src = dkf + slot * kfb + (size_t)w * Lv;
+                        const float *src = dkf + slot * kfb + (size_t)w * P;
                         for (int j = 0; j < L; j++) dst[j] += src[j];
                     }
                 }

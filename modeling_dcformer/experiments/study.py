@@ -58,12 +58,14 @@ def calibration_configs(hidden: int, heads: int, layers: int) -> dict:
 
 def calibrate(out: Path, sizes: list[int], steps: int = 8, warmup: int = 2, rounds: int = 2) -> dict:
     """Median seconds of one training step (forward, backward, clipping, AdamW) of a batch of 16 x 128 tokens,
-    per size and model, on one thread; the models of one size are interleaved round by round so that a change of
-    load hits all of them alike."""
+    per size and model, on one thread: `warmup` steps of each model, then `steps * rounds` timed steps of each,
+    the models of one size interleaved step by step (T, DC, DC-qk, T, ...) so that a change of load hits all of
+    them alike (rounds of 10 steps a model, the earlier order, let two calibrations minutes apart disagree by 0.3
+    on DC/T)."""
     torch.set_num_threads(1)
     result = {"threads": 1, "load_average_before": list(os.getloadavg()), "batch": BATCH, "block": BLOCK,
               "vocab": VOCAB, "torch": torch.__version__,
-              "steps_per_round": steps, "rounds": rounds, "step_seconds": {}}
+              "steps_per_round": steps, "rounds": rounds, "interleaved": "step", "step_seconds": {}}
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=generator)
     for hidden in sizes:
@@ -74,18 +76,17 @@ def calibrate(out: Path, sizes: list[int], steps: int = 8, warmup: int = 2, roun
             model, _ = build_model("transformer" if kind == "transformer" else "dcformer", config)
             model.train()
             states[kind] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95)), [], [])
-        for r in range(rounds):
+        for i in range(warmup + steps * rounds):
             for kind, (model, optimizer, times, cpu_times) in states.items():
-                for i in range(warmup + steps):
-                    start, cpu_start = time.perf_counter(), time.process_time()
-                    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    if i >= warmup:
-                        times.append(time.perf_counter() - start)
-                        cpu_times.append(time.process_time() - cpu_start)
+                start, cpu_start = time.perf_counter(), time.process_time()
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+                    cpu_times.append(time.process_time() - cpu_start)
         result["step_seconds"][str(hidden)] = {kind: statistics.median(s[2]) for kind, s in states.items()}
         result.setdefault("step_cpu_seconds", {})[str(hidden)] = {
             kind: statistics.median(s[3]) for kind, s in states.items()
