@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 from modeling_dcformer import cpu_kernel
 
@@ -59,21 +58,21 @@ def renamed_source(text: str, namespace: str) -> str:
     return renamed
 
 
-def build(spec: str, build_root: Path):
-    """Builds (or reuses) the variant `spec` ("path[:flag...]") and returns its operator namespace."""
+def build(spec: str, source_root: Path):
+    """Builds (or reuses) the variant `spec` ("path[:flag...]") and returns its operator namespace: its source,
+    renamed, is written under `source_root`, and built like the kernel itself (`cpu_kernel.CPUKernelBackend`: the
+    kernel cache, a verified build reused by later runs, one build at a time)."""
     path, *flags = spec.split(":")
     source = Path(path)
     if not source.is_file():
         raise FileNotFoundError(f"no kernel source at {source}")
     text = source.read_text()
-    key = hashlib.sha256("\0".join([text, *cpu_kernel.CFLAGS, *flags, torch.__version__]).encode()).hexdigest()[:12]
-    namespace = f"dcformer_ab_{key}"
-    folder = build_root / namespace
-    folder.mkdir(parents=True, exist_ok=True)
-    copy = folder / "dcmha_cpu.cpp"
+    namespace = "dcformer_ab_" + hashlib.sha256("\0".join([text, *flags]).encode()).hexdigest()[:12]
+    copy = source_root / f"{namespace}.cpp"
+    copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(renamed_source(text, namespace))
-    cpp_extension.load(name=namespace, sources=[str(copy)], extra_cflags=[*cpu_kernel.CFLAGS, *flags],
-                       build_directory=str(folder), is_python_module=False, verbose=False)  # fmt: skip
+    cpu_kernel.KERNEL.load()  # a backend's load ends by registering the dcformer operators' fakes: they must exist
+    cpu_kernel.CPUKernelBackend(copy, cflags=[*cpu_kernel.CFLAGS, *flags]).load()
     return getattr(torch.ops, namespace)
 
 
@@ -96,9 +95,10 @@ def head_scores(shape) -> float:
 
 def run_forward(ops, x, c, s):
     scores = x["raw"].clone()
+    rows = cpu_kernel.rows_per_tile(scores.shape[1], s)  # as the model's calls tile it
     start = time.process_time()
     ops.compose_softmax_compose_(scores, x["query_terms"], s - c, x["key_terms"], 0, None, s - c, 0, 0, 0.125, RANK,
-                                 1, 16, False)  # fmt: skip
+                                 1, rows, False)  # fmt: skip
     return time.process_time() - start, (scores,)
 
 
@@ -157,14 +157,15 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
                         help=f"chunks, BxNxCxS comma-separated (default {DEFAULT_SHAPES})")
     parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds per shape (default 9)")
-    parser.add_argument("--build-dir", type=Path, default=cpu_kernel.cache_dir() / "ab",
-                        help="where the variants are built (default: the kernel cache's ab/)")
+    parser.add_argument("--source-dir", type=Path, default=cpu_kernel.cache_dir() / "ab",
+                        help="where the variants' renamed sources are written (default: the kernel cache's ab/); "
+                        "they are built into the kernel cache like the kernel")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     torch.set_num_threads(args.threads)
-    variants = [(spec, build(spec, args.build_dir)) for spec in args.sources]
+    variants = [(spec, build(spec, args.source_dir)) for spec in args.sources]
     print_rows(compare(variants, args.shapes, args.repeats))
 
 

@@ -109,14 +109,15 @@ class CPUKernelBackend(DCMHABackend):
 
     name = "kernel"
 
-    def __init__(self, source: Path = SOURCE):
+    def __init__(self, source: Path = SOURCE, cflags: list[str] = CFLAGS):
         self.source = source
+        self.cflags = list(cflags)  # benchmarks/ab_kernel_source.py builds variants with more flags
         self.loaded = False
         self._lock = threading.Lock()
 
     # -- building ------------------------------------------------------------------------------------------------
     def build_dir(self, cxx: str) -> Path:
-        key = "\0".join([self.source.read_text(), cxx, *CFLAGS, torch.__version__, cpu_signature()])
+        key = "\0".join([self.source.read_text(), cxx, *self.cflags, torch.__version__, cpu_signature()])
         return cache_dir() / f"dcmha_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
     def load(self) -> None:
@@ -185,7 +186,7 @@ class CPUKernelBackend(DCMHABackend):
             cpp_extension.load(
                 name=folder.name,
                 sources=[str(self.source)],
-                extra_cflags=CFLAGS,
+                extra_cflags=self.cflags,
                 build_directory=str(private),
                 is_python_module=False,
                 verbose=False,

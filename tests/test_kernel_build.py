@@ -142,3 +142,13 @@ def test_auto_warns_when_the_build_fails_and_computes_eagerly(monkeypatch, tmp_p
         model(ids)  # the failure is remembered: one warning, not one per call
     warnings = [r.getMessage() for r in caplog.records if "cannot be built here" in r.getMessage()]
     assert len(warnings) == 1 and 'dcmha_implementation="auto" does without it' in warnings[0]
+
+
+def test_the_build_key_covers_the_compiler_flags():
+    """A backend built with other flags (benchmarks/ab_kernel_source.py's variants) gets its own cache entry; the
+    default flags keep the kernel's entry, so existing builds stay valid."""
+    source = cpu_kernel.SOURCE
+    default = cpu_kernel.CPUKernelBackend(source).build_dir("c++")
+    assert cpu_kernel.CPUKernelBackend(source, cflags=cpu_kernel.CFLAGS).build_dir("c++") == default
+    assert cpu_kernel.KERNEL.build_dir("c++") == default
+    assert cpu_kernel.CPUKernelBackend(source, cflags=[*cpu_kernel.CFLAGS, "-DX=1"]).build_dir("c++") != default
