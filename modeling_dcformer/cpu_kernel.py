@@ -360,9 +360,10 @@ class KernelAttention(torch.autograd.Function):
                 call.query_start + t0, call.key_start + s0, call.window_size, call.scale, call.rank,
                 call.num_groups, dqt, dkt,
             )  # fmt: skip
-            dv[:, s0:s1] += torch.bmm(scores.transpose(1, 2), g)
-            dq[:, t0:t1] = torch.bmm(dscores, k[:, s0:s1])
-            dk[:, s0:s1] += torch.bmm(dscores.transpose(1, 2), q[:, t0:t1])
+            # the products write into (or add to) the gradients' rows in place: no temporary, no extra pass
+            dv[:, s0:s1].baddbmm_(scores.transpose(1, 2), g)
+            torch.bmm(dscores, k[:, s0:s1], out=dq[:, t0:t1])
+            dk[:, s0:s1].baddbmm_(dscores.transpose(1, 2), q[:, t0:t1])
         shaped = (x.view(B, N, -1, Dh).to(t.dtype) for x, t in ((dq, query), (dk, key), (dv, value)))
         return None, *shaped, dqt, dkt
 
