@@ -27,12 +27,15 @@ Threads: 1 by default (`--threads N` for more), for ratios that hold on a shared
 Every measurement runs in a fresh process forked from this one (the imports are paid once; no allocator
 state leaks from one measurement into the next). Time: per phase, one process holds both models, warms each
 up once, then runs them `--repeats` times interleaved (A B B A ...) so that both see the same machine load;
-the median is reported. Memory: one run (after a warm-up run) per model and phase, each in its own process.
+the median is reported; `--processes N` times each phase in N such processes and reports the median of their
+ratios, with each process's (on this project's shared CPU two processes' ratios can differ by 10-20%, more than
+one process's runs do). Memory: one run (after a warm-up run) per model and phase, each in its own process.
 
     python benchmarks/bench_model.py                      # Pythia-160M shape, T=1024, fp32
     python benchmarks/bench_model.py --quick              # tiny smoke test (a few seconds of work)
     python benchmarks/bench_model.py --shape pythia-70m --seq-len 512 --window 256
     python benchmarks/bench_model.py --profile            # also: top DCFormer prefill ops (torch.profiler)
+    python benchmarks/bench_model.py --phases prefill,train --processes 5   # the median of 5 processes' ratios
     python benchmarks/bench_model.py --shape pythia-6.9b --layers 2 --vocab-size 1024 --dtype bf16 \
         --phases prefill,decode --seq-len 64 --decode-prompt 8 --decode-new 8 --repeats 5  # DCPythia-6.9B's layers
     python benchmarks/bench_model.py --compile-static     # decode: static cache, torch.compile'd forward, both models
@@ -128,6 +131,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-prompt", type=int, default=None, help=f"prompt tokens for decode (default {DEFAULTS['decode_prompt']})")
     p.add_argument("--decode-new", type=int, default=None, help=f"new tokens for decode (default {DEFAULTS['decode_new']})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed runs after one warm-up (default {DEFAULTS['repeats']})")
+    p.add_argument("--processes", type=int, default=1,
+                   help="timing processes per phase, one after the other, each building both models afresh: the "
+                        "reported ratio is the median of the processes' ratios, each process's ratio is printed. "
+                        "On a shared machine one process's ratio can differ from the next one's by 10-20%% (where "
+                        "each tensor lands in memory differs); several processes show that spread")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads. 1 by default: the ratios are then stable even on a shared or loaded "
@@ -193,7 +201,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("layers", "vocab_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("seq_len", "batch_size", "decode_prompt", "decode_new", "repeats", "threads"):
+    if args.processes > 1 and args.sweep:
+        p.error("--processes applies to the phase table, not to --sweep")
+    for name in ("seq_len", "batch_size", "decode_prompt", "decode_new", "repeats", "threads", "processes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
@@ -395,6 +405,18 @@ def measure_time(phase: str, dc_cfg: DCFormerConfig, opts: dict) -> dict:
             times[kind].append(timed(steps[kind]))
     return {kind: dict(info[kind], times=times[kind], median=statistics.median(times[kind]),
                        torch_threads=torch.get_num_threads()) for kind in times}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One phase's timing from several processes' `measure_time` results: per model the times of every process
+    (`times`, flattened; `process_times`, per process) and the median of the processes' medians (`median`), and
+    `process_ratios`: each process's DCFormer / baseline ratio of medians. One process: its own result, the same
+    numbers."""
+    out = {kind: dict(runs[0][kind], times=[t for run in runs for t in run[kind]["times"]],
+                      process_times=[run[kind]["times"] for run in runs],
+                      median=statistics.median(run[kind]["median"] for run in runs)) for kind in ("baseline", "dcformer")}
+    out["process_ratios"] = [run["dcformer"]["median"] / run["baseline"]["median"] for run in runs]
+    return out
 
 
 def pin_malloc_mmap_threshold(threshold: int = 128 * 1024) -> bool:
@@ -659,7 +681,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
 
     timing, memory = {}, {}
     for phase in args.phases:
-        timing[phase] = run_in_fresh_process(measure_time, phase, dc_cfg, opts)
+        timing[phase] = pooled([run_in_fresh_process(measure_time, phase, dc_cfg, opts) for _ in range(args.processes)])
         progress(f"{phase}: time {base_name} {timing[phase]['baseline']['median']:.3f}s, "
                  f"DCFormer {timing[phase]['dcformer']['median']:.3f}s")
         for kind in ("baseline", "dcformer"):
@@ -672,8 +694,10 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     rows = [("parameters (M)", first["baseline"]["params"] / 1e6, first["dcformer"]["params"] / 1e6, "{:.1f}"),
             ("weights (MiB)", first["baseline"]["weight_bytes"] / MIB, first["dcformer"]["weight_bytes"] / MIB, "{:.1f}")]
     bxt = f"{args.batch_size}x{args.seq_len}"
+    time_ratios = {}  # per phase: the median of the processes' ratios, in the direction the table shows
     for phase in args.phases:
         b, d = timing[phase]["baseline"]["median"], timing[phase]["dcformer"]["median"]
+        per_process = timing[phase]["process_ratios"]
         if phase == "prefill":
             rows.append((f"prefill {bxt} (s, lower is better)", b, d, "{:.3f}"))
         elif phase == "train":
@@ -682,6 +706,8 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
             n = args.decode_new * args.batch_size
             rows.append((f"decode {args.decode_prompt}+{args.decode_new} (new tokens/s, higher is better)",
                          n / b, n / d, "{:.1f}" if min(n / b, n / d) >= 10 else "{:.3f}"))
+            per_process = [1 / r for r in per_process]  # tokens/s: the inverse of the time ratio
+        time_ratios[rows[-1][0]] = statistics.median(per_process)
     mem_label = {"prefill": "prefill", "train": "fwd+bwd", "decode": "decode"}
     for phase in args.phases:
         rows.append((f"peak memory, {mem_label[phase]} (MiB over weights)", memory[("baseline", phase)]["peak_bytes"] / MIB,
@@ -704,8 +730,14 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
             + ("; forward under `torch.compile` (default options), compiled in the warm-up run"
                if args.compile_static else ""))
     say(f"- batch {args.batch_size}; " + "; ".join(described))
-    say(f"- time: per phase one fresh process holds both models, 1 warm-up each, then {args.repeats} runs "
-        f"interleaved, median; memory: one run after a warm-up run in a fresh process per model and phase")
+    if args.processes == 1:
+        say(f"- time: per phase one fresh process holds both models, 1 warm-up each, then {args.repeats} runs "
+            f"interleaved, median; memory: one run after a warm-up run in a fresh process per model and phase")
+    else:
+        say(f"- time: per phase {args.processes} fresh processes one after the other, each holding both models, 1 "
+            f"warm-up each, then {args.repeats} runs interleaved; a process's ratio is that of its medians, the "
+            f"table's time ratio the median of the processes' ratios (its times: the median of their medians); "
+            f"memory: one run after a warm-up run in a fresh process per model and phase")
     say(f"- load average (1/5/15 min) before: {load_before}, after: {load_average()}")
     say()
     say(f"| metric | {base_name} | DCFormer | ratio DCFormer/{base_name} |")
@@ -713,6 +745,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     table = []
     for label, bv, dv, fmt in rows:
         ratio = dv / bv if float(fmt.format(bv)) else float("nan")  # n/a over a baseline shown as 0
+        ratio = time_ratios.get(label, ratio)
         table.append(dict(metric=label, baseline=bv, dcformer=dv, ratio=ratio))
         say(f"| {label} | {fmt.format(bv)} | {fmt.format(dv)} | {fmt_ratio(ratio)} |")
     say()
@@ -722,12 +755,19 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     say("Timed runs (s): " + "; ".join(
         f"{base_name if k == 'baseline' else 'DCFormer'} {ph}: " + ", ".join(f"{t:.3f}" for t in timing[ph][k]["times"])
         for ph in args.phases for k in ("baseline", "dcformer")))
+    if args.processes > 1:
+        say("Ratio of each timing process (DCFormer / " + base_name + "; decode in tokens/s): " + "; ".join(
+            f"{ph}: " + ", ".join(f"{r:.3f}" for r in (timing[ph]["process_ratios"] if ph != "decode" else
+                                                       [1 / x for x in timing[ph]["process_ratios"]]))
+            for ph in args.phases))
     say(f"Benchmark wall time: {wall:.0f} s")
 
     summary = dict(command=command, torch=torch.__version__, transformers=transformers.__version__,
                    threads=args.threads, dtype=args.dtype, shape=args.shape, baseline=base_name, rows=table,
                    layers=dc_cfg.num_hidden_layers, vocab_size=dc_cfg.vocab_size, cache=args.cache,
-                   compile_static=args.compile_static,
+                   compile_static=args.compile_static, processes=args.processes,
+                   process_ratios={ph: timing[ph]["process_ratios"] if ph != "decode"
+                                   else [1 / x for x in timing[ph]["process_ratios"]] for ph in args.phases},
                    ratios={ph: table[2 + i]["ratio"] for i, ph in enumerate(args.phases)},
                    memory_ratios={ph: table[2 + len(args.phases) + i]["ratio"] for i, ph in enumerate(args.phases)},
                    wall_s=wall)

@@ -352,3 +352,43 @@ def test_ab_kernel_source_times_variants_and_flags_one_that_computes_something_e
     ab_kernel.print_rows(rows)
     out = capsys.readouterr().out
     assert out.count("\n| 1x2x3x20 |") == 3 and "| `broken` |" in out
+
+
+def test_several_timing_processes_report_the_median_of_their_ratios(bench, monkeypatch, capsys):
+    """`--processes 3`: three timing processes per phase; the table's time ratio is the median of the processes'
+    ratios (not the ratio of pooled medians), each process's ratio is printed and in the JSON; decode's are in
+    tokens/s (the inverse). Synthetic timings: no model is built."""
+    per_process = iter([(1.0, 1.30), (2.0, 2.10), (1.0, 1.20),  # prefill: ratios 1.30, 1.05, 1.20
+                        (1.0, 1.25), (1.0, 1.00), (2.0, 2.00)])  # decode times: ratios 1.25, 1.00, 1.00
+    calls = []
+
+    def fake_time(phase, dc_cfg, opts):
+        base, dc = next(per_process)
+        calls.append(phase)
+        info = dict(params=1, weight_bytes=4, attn_implementation="sdpa", torch_threads=1)
+        return {"baseline": dict(info, times=[base], median=base), "dcformer": dict(info, times=[dc], median=dc)}
+
+    monkeypatch.setattr(bench, "measure_time", fake_time)
+    monkeypatch.setattr(bench, "measure_memory", lambda kind, phase, cfg, opts: dict(peak_bytes=2**20, memory_method="fake"))
+    monkeypatch.setattr(bench, "run_in_fresh_process", lambda fn, *args: fn(*args))
+    summary = bench.run_benchmark(["--quick", "--phases", "prefill,decode", "--processes", "3"], out=sys.stdout, log=None)
+    out = capsys.readouterr().out
+    assert calls == ["prefill"] * 3 + ["decode"] * 3
+    assert summary["processes"] == 3
+    assert summary["process_ratios"]["prefill"] == pytest.approx([1.30, 1.05, 1.20])
+    assert summary["process_ratios"]["decode"] == pytest.approx([0.8, 1.0, 1.0])
+    assert summary["ratios"]["prefill"] == pytest.approx(1.20)  # the medians of the medians: 1.30 / 1.0
+    assert summary["ratios"]["decode"] == pytest.approx(1.0)
+    assert "prefill: 1.300, 1.050, 1.200; decode: 0.800, 1.000, 1.000" in out, out
+    assert "median of the processes' ratios" in out
+    row = next(line for line in out.splitlines() if line.startswith("| prefill"))
+    assert row.rstrip().endswith("| 1.20x |"), row
+
+
+def test_processes_must_be_positive_and_apply_to_the_phase_table(bench, capsys):
+    assert bench.parse_args([]).processes == 1
+    for argv, message in ((["--processes", "0"], "--processes must be at least 1"),
+                          (["--sweep", "--processes", "2"], "--processes applies to the phase table")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert message in capsys.readouterr().err
