@@ -7,11 +7,16 @@ phase runs them interleaved (A B B A ...) `--repeats` times after a warm-up and 
 `--profile` then prints, per model, torch.profiler's top ops of one run of each phase (self time, % of the run: CPU
 time, or kernel time on CUDA), which is what docs/performance.md quotes; `--ops` counts the ATen ops and compiled-region
 calls of one run (on any device: each is at least one kernel launch on a GPU, where small models are launch-bound).
+`--parts` splits the timed runs' forward wall time by part of the decoder layers (forward hooks on every layer's
+attention, its projections and MLP): where DCFormer's extra time is, without the profiler's per-op overhead, which
+changes the ratio it measures (docs/performance.md, round 11).
 
     python benchmarks/profile_shapes.py --preset dcpythia-pythia-6.9b --layers 2 --vocab 1024 --dtype bf16
     python benchmarks/profile_shapes.py --preset dcpythia-pythia-70m --seq-len 1024 --phases prefill,train --profile
     python benchmarks/profile_shapes.py --device cuda --layers 32 --vocab 50432 --seq-len 2048  # the whole 6.9B shape
     python benchmarks/profile_shapes.py --device cuda --implementation auto,triton  # each against NeoX, interleaved
+    python benchmarks/profile_shapes.py --preset dcpythia-pythia-160m --layers 12 --dtype fp32 --phases prefill \
+        --seq-len 1024 --repeats 4 --parts  # attention, projections, MLP: each model's seconds a run
 
 Phases: prefill (`--seq-len` tokens under inference_mode, cache filled, logits of the last position), decode
 (greedy `generate` of `--decode-new` tokens after `--decode-prompt`), step (`--decode-new` forward calls of one token
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -126,6 +133,84 @@ def count_ops(step) -> tuple[int, int]:
     return sum(1 for e in top if e.name not in NO_LAUNCH), regions
 
 
+# module paths inside a decoder layer -> the part `--parts` times; the projections are inside the attention module
+LAYER_PARTS = {
+    "neox": {"attention": "attention", "attention.query_key_value": "q/k/v projection",
+             "attention.dense": "output projection", "mlp": "MLP"},
+    "dcformer": {"self_attn": "attention", "self_attn.qkv_proj": "q/k/v projection", "self_attn.o_proj": "output projection",
+                 "self_attn.dyn_w_proj": "dynamic-weight projection", "mlp": "MLP"},
+}
+PROJECTIONS = ("q/k/v projection", "output projection", "dynamic-weight projection")
+
+
+class PartTimer:
+    """Forward wall time per part of every decoder layer (`LAYER_PARTS`), summed under the name of the step being
+    timed (`timing(name)`): forward hooks, synchronising first on a GPU. The backward pass is not split."""
+
+    def __init__(self, models: dict, device: torch.device):
+        self.device, self.current = device, None
+        self.seconds = defaultdict(lambda: defaultdict(float))
+        self.runs = defaultdict(int)
+        self._started, self._handles = {}, []
+        for kind, model in models.items():
+            for layer in model.base_model.layers:
+                for path, part in LAYER_PARTS[kind].items():
+                    module = layer.get_submodule(path)
+                    self._handles.append(module.register_forward_pre_hook(self._start))
+                    self._handles.append(module.register_forward_hook(lambda m, a, o, part=part: self._stop(m, part)))
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _start(self, module, args):
+        if self.current is not None:
+            self._started[id(module)] = self._now()
+
+    def _stop(self, module, part: str):
+        if self.current is not None:
+            self.seconds[self.current][part] += self._now() - self._started.pop(id(module))
+
+    def timing(self, name: str, step):
+        """`step` with its runs' part times summed under `name`, and its total time under "total"."""
+        def timed_step():
+            self.current, start = name, self._now()
+            try:
+                step()
+            finally:
+                self.seconds[name]["total"] += self._now() - start
+                self.runs[name] += 1
+                self.current = None
+        return timed_step
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+
+    def table(self, names: list[str]) -> str:
+        """Seconds a run per part and name, with "attention: the rest" (the attention less its projections: DCMHA or
+        SDPA, rotary, the cache) and "outside" (the run less the attention and MLP), and each name's difference to
+        the first name's."""
+        rows = ["attention", *PROJECTIONS, "attention: the rest", "MLP", "outside (embedding, norms, head, Python)",
+                "total"]
+        per_run = {}
+        for name in names:
+            sec = {part: value / max(self.runs[name], 1) for part, value in self.seconds[name].items()}
+            sec["attention: the rest"] = sec.get("attention", 0.0) - sum(sec.get(p, 0.0) for p in PROJECTIONS)
+            sec["outside (embedding, norms, head, Python)"] = sec["total"] - sec.get("attention", 0.0) - sec.get("MLP", 0.0)
+            per_run[name] = sec
+        first = names[0]
+        header = f"    {'part (forward, s a run)':<42}" + "".join(f"{n:>10}" for n in names)
+        header += "".join(f"{n + '-' + first:>16}" for n in names[1:])
+        lines = [header]
+        for part in rows:
+            cells = "".join(f"{per_run[n].get(part, 0.0):10.3f}" for n in names)
+            cells += "".join(f"{per_run[n].get(part, 0.0) - per_run[first].get(part, 0.0):+16.3f}" for n in names[1:])
+            lines.append(f"    {part:<42}{cells}")
+        return "\n".join(lines)
+
+
 def peak_cuda_mib(step, device: torch.device) -> float:
     """The most CUDA memory one run of `step` held above what was allocated before it (weights, cached state), MiB."""
     torch.cuda.synchronize(device)
@@ -157,6 +242,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ops", action="store_true",
                    help="also count the ATen ops and compiled calls of one run of each model (what a GPU launches)")
     p.add_argument("--rows", type=int, default=14)
+    p.add_argument("--parts", action="store_true",
+                   help="split the timed runs' forward wall time by part of the decoder layers (attention, its "
+                        "projections, MLP), each model's seconds a run (forward hooks; the backward is not split)")
     return p.parse_args(argv)
 
 
@@ -183,14 +271,22 @@ def main(argv=None) -> int:
                                                      make_step(models["dcformer"], phase, args, dc.vocab_size))
         for step in steps.values():
             step()  # warm-up
+        parts = PartTimer(models, device) if args.parts else None
+        runs = {kind: parts.timing(kind, step) if parts else step for kind, step in steps.items()}
         times = {kind: [] for kind in steps}
-        for r in range(args.repeats):
-            for kind in (list(steps) if r % 2 == 0 else list(reversed(steps))):
-                times[kind].append(timed(steps[kind], device))
+        try:
+            for r in range(args.repeats):
+                for kind in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+                    times[kind].append(timed(runs[kind], device))
+        finally:
+            if parts:
+                parts.remove()
         med = {kind: statistics.median(t) for kind, t in times.items()}
         cells = [f"{kind} {med[kind] * 1e3:9.1f} ms" for kind in steps]
         ratios = [f"{kind}/NeoX {med[kind] / med['NeoX']:.3f}" for kind in steps if kind != "NeoX"]
         print(f"{phase:>8}: {'  '.join(cells)}  {'  '.join(ratios)}", flush=True)
+        if parts:
+            print(parts.table(list(steps)), flush=True)
         if device.type == "cuda":
             peak = {kind: peak_cuda_mib(step, device) for kind, step in steps.items()}
             cells = [f"{kind} {peak[kind]:.0f} MiB" for kind in steps]

@@ -392,3 +392,44 @@ def test_processes_must_be_positive_and_apply_to_the_phase_table(bench, capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_profile_shapes_parts_split_each_models_forward_time_by_layer_part(monkeypatch, capsys):
+    """`--parts`: forward hooks time each layer's attention, its projections and MLP during the timed runs; the parts
+    nest (the attention holds its projections, the run holds both), DCFormer alone has a dynamic-weight projection,
+    and the hooks are gone afterwards."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("profile_shapes", ROOT / "benchmarks" / "profile_shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    built = {}
+    real_build = module.build
+
+    def recording(kind, dc, dtype, device):
+        built[kind] = real_build(kind, dc, dtype, device)
+        return built[kind]
+
+    monkeypatch.setattr(module, "build", recording)
+    argv = ["--preset", "dcpythia-pythia-70m", "--layers", "2", "--vocab", "128", "--dtype", "fp32", "--seq-len", "32",
+            "--phases", "prefill", "--repeats", "2", "--parts"]  # fmt: skip
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    table = {}
+    for line in out.splitlines():
+        match = re.match(r"\s{4}(\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)\s+([+-][\d.]+)$", line)
+        if match:
+            table[match[1]] = [float(x) for x in match.group(2, 3, 4)]
+    assert set(table) == {"attention", "q/k/v projection", "output projection", "dynamic-weight projection",
+                          "attention: the rest", "MLP", "outside (embedding, norms, head, Python)", "total"}, out
+    for part, (neox, dc, diff) in table.items():
+        assert diff == pytest.approx(dc - neox, abs=2e-3), part
+        if part != "dynamic-weight projection":
+            assert neox > 0 and dc > 0, (part, out)
+    assert table["dynamic-weight projection"][0] == 0 and table["dynamic-weight projection"][1] > 0
+    for column in (0, 1):
+        projections = sum(table[p][column] for p in ("q/k/v projection", "output projection", "dynamic-weight projection"))
+        assert table["attention"][column] > projections
+        assert table["attention: the rest"][column] == pytest.approx(table["attention"][column] - projections, abs=2e-3)
+        assert table["total"][column] > table["attention"][column] + table["MLP"][column]
+    for model in built.values():
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
