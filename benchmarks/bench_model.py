@@ -694,7 +694,8 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
     rows = [("parameters (M)", first["baseline"]["params"] / 1e6, first["dcformer"]["params"] / 1e6, "{:.1f}"),
             ("weights (MiB)", first["baseline"]["weight_bytes"] / MIB, first["dcformer"]["weight_bytes"] / MIB, "{:.1f}")]
     bxt = f"{args.batch_size}x{args.seq_len}"
-    time_ratios = {}  # per phase: the median of the processes' ratios, in the direction the table shows
+    time_ratios = {}  # per row: the median of the processes' ratios
+    process_ratios = {}  # per phase: each process's ratio, in the direction the table shows (decode: tokens/s)
     for phase in args.phases:
         b, d = timing[phase]["baseline"]["median"], timing[phase]["dcformer"]["median"]
         per_process = timing[phase]["process_ratios"]
@@ -707,6 +708,7 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
             rows.append((f"decode {args.decode_prompt}+{args.decode_new} (new tokens/s, higher is better)",
                          n / b, n / d, "{:.1f}" if min(n / b, n / d) >= 10 else "{:.3f}"))
             per_process = [1 / r for r in per_process]  # tokens/s: the inverse of the time ratio
+        process_ratios[phase] = per_process
         time_ratios[rows[-1][0]] = statistics.median(per_process)
     mem_label = {"prefill": "prefill", "train": "fwd+bwd", "decode": "decode"}
     for phase in args.phases:
@@ -757,17 +759,14 @@ def run_benchmark(argv=None, out=sys.stdout, log=sys.stderr) -> dict:
         for ph in args.phases for k in ("baseline", "dcformer")))
     if args.processes > 1:
         say("Ratio of each timing process (DCFormer / " + base_name + "; decode in tokens/s): " + "; ".join(
-            f"{ph}: " + ", ".join(f"{r:.3f}" for r in (timing[ph]["process_ratios"] if ph != "decode" else
-                                                       [1 / x for x in timing[ph]["process_ratios"]]))
-            for ph in args.phases))
+            f"{ph}: " + ", ".join(f"{r:.3f}" for r in process_ratios[ph]) for ph in args.phases))
     say(f"Benchmark wall time: {wall:.0f} s")
 
     summary = dict(command=command, torch=torch.__version__, transformers=transformers.__version__,
                    threads=args.threads, dtype=args.dtype, shape=args.shape, baseline=base_name, rows=table,
                    layers=dc_cfg.num_hidden_layers, vocab_size=dc_cfg.vocab_size, cache=args.cache,
                    compile_static=args.compile_static, processes=args.processes,
-                   process_ratios={ph: timing[ph]["process_ratios"] if ph != "decode"
-                                   else [1 / x for x in timing[ph]["process_ratios"]] for ph in args.phases},
+                   process_ratios=process_ratios,
                    ratios={ph: table[2 + i]["ratio"] for i, ph in enumerate(args.phases)},
                    memory_ratios={ph: table[2 + len(args.phases) + i]["ratio"] for i, ph in enumerate(args.phases)},
                    wall_s=wall)
