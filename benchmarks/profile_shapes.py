@@ -145,12 +145,11 @@ PROJECTIONS = ("q/k/v projection", "output projection", "dynamic-weight projecti
 
 class PartTimer:
     """Forward wall time per part of every decoder layer (`LAYER_PARTS`), summed under the name of the step being
-    timed (`timing(name)`): forward hooks, synchronising first on a GPU. The backward pass is not split."""
+    run (`timing(name, step)`): forward hooks, synchronising first on a GPU. The backward pass is not split."""
 
     def __init__(self, models: dict, device: torch.device):
         self.device, self.current = device, None
         self.seconds = defaultdict(lambda: defaultdict(float))
-        self.runs = defaultdict(int)
         self._started, self._handles = {}, []
         for kind, model in models.items():
             for layer in model.base_model.layers:
@@ -173,14 +172,12 @@ class PartTimer:
             self.seconds[self.current][part] += self._now() - self._started.pop(id(module))
 
     def timing(self, name: str, step):
-        """`step` with its runs' part times summed under `name`, and its total time under "total"."""
+        """`step` with its runs' part times summed under `name`."""
         def timed_step():
-            self.current, start = name, self._now()
+            self.current = name
             try:
                 step()
             finally:
-                self.seconds[name]["total"] += self._now() - start
-                self.runs[name] += 1
                 self.current = None
         return timed_step
 
@@ -188,15 +185,16 @@ class PartTimer:
         for handle in self._handles:
             handle.remove()
 
-    def table(self, names: list[str]) -> str:
-        """Seconds a run per part and name, with "attention: the rest" (the attention less its projections: DCMHA or
-        SDPA, rotary, the cache) and "outside" (the run less the attention and MLP), and each name's difference to
-        the first name's."""
+    def table(self, times: dict[str, list[float]]) -> str:
+        """Seconds a run per part and name, given each name's timed runs (`times`, in which the parts were summed),
+        with "attention: the rest" (the attention less its projections: DCMHA or SDPA, rotary, the cache) and
+        "outside" (the run less the attention and MLP), and each name's difference to the first name's."""
         rows = ["attention", *PROJECTIONS, "attention: the rest", "MLP", "outside (embedding, norms, head, Python)",
                 "total"]
-        per_run = {}
+        names, per_run = list(times), {}
         for name in names:
-            sec = {part: value / max(self.runs[name], 1) for part, value in self.seconds[name].items()}
+            sec = {part: value / len(times[name]) for part, value in self.seconds[name].items()}
+            sec["total"] = statistics.mean(times[name])
             sec["attention: the rest"] = sec.get("attention", 0.0) - sum(sec.get(p, 0.0) for p in PROJECTIONS)
             sec["outside (embedding, norms, head, Python)"] = sec["total"] - sec.get("attention", 0.0) - sec.get("MLP", 0.0)
             per_run[name] = sec
@@ -286,7 +284,7 @@ def main(argv=None) -> int:
         ratios = [f"{kind}/NeoX {med[kind] / med['NeoX']:.3f}" for kind in steps if kind != "NeoX"]
         print(f"{phase:>8}: {'  '.join(cells)}  {'  '.join(ratios)}", flush=True)
         if parts:
-            print(parts.table(list(steps)), flush=True)
+            print(parts.table(times), flush=True)
         if device.type == "cuda":
             peak = {kind: peak_cuda_mib(step, device) for kind, step in steps.items()}
             cells = [f"{kind} {peak[kind]:.0f} MiB" for kind in steps]
