@@ -14,10 +14,13 @@ something else is not faster).
 A source may carry extra compiler flags after colons: `my.cpp:-DBWD_ROWS=32`. Give the first source twice (once
 with a trailing comment, so that it builds anew) to see this machine's noise between builds: ratios within a few
 percent of 1.00 are noise. The chunk shape is batch x heads x queries x keys, one group, rank 2, causal, the chunk
-at the end of the keys (as a training step's last chunk).
+at the end of the keys (as a training step's last chunk). The forward operator gets the scores laid out as the
+model lays them out (`--layout staggered`, `cpu_kernel.score_layout`) or contiguous (`--layout contiguous`, what
+sources before round 12 take); a variant's own `@layout` suffix overrides it (`old.cpp@contiguous`).
 
     python benchmarks/ab_kernel_source.py modeling_dcformer/csrc/dcmha_cpu.cpp /tmp/variant.cpp
     python benchmarks/ab_kernel_source.py a.cpp a.cpp:-DBWD_ROWS=32 --shapes 1x12x64x1024,16x8x64x128 --repeats 9
+    python benchmarks/ab_kernel_source.py /tmp/old.cpp@contiguous modeling_dcformer/csrc/dcmha_cpu.cpp
 """
 
 from __future__ import annotations
@@ -35,6 +38,23 @@ from modeling_dcformer import cpu_kernel
 
 DEFAULT_SHAPES = "1x12x64x1024,16x8x64x128,16x4x64x128"
 RANK = 2
+LAYOUTS = ("staggered", "contiguous")  # of the forward operator's scores: the model's (score_layout), or contiguous
+
+
+def split_layout(spec: str) -> tuple[str, str | None]:
+    """A variant `path[:flags][@layout]` as (`path[:flags]`, the layout or None). Only a layout's name ends it: any
+    other `@...` stays part of the path (a path with no such file is then `build`'s clear error)."""
+    source, _, layout = spec.rpartition("@")
+    return (source, layout) if source and layout in LAYOUTS else (spec, None)
+
+
+def laid_out(raw: torch.Tensor, layout: str) -> torch.Tensor:
+    """A copy of the chunk's scores [B, N, c, s] in `layout`."""
+    if layout == "contiguous":
+        return raw.clone()
+    size, strides = cpu_kernel.score_layout(*raw.shape)
+    scores = torch.empty(size).as_strided(raw.shape, strides)
+    return scores.copy_(raw)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
@@ -93,16 +113,16 @@ def head_scores(shape) -> float:
     return B * N * (c * (s - c) + c * (c + 1) / 2)
 
 
-def run_forward(ops, x, c, s):
-    scores = x["raw"].clone()
+def run_forward(ops, x, c, s, layout="staggered"):
+    scores = laid_out(x["raw"], layout)
     rows = cpu_kernel.rows_per_tile(scores.shape[1], s)  # as the model's calls tile it
     start = time.process_time()
     ops.compose_softmax_compose_(scores, x["query_terms"], s - c, x["key_terms"], 0, None, s - c, 0, 0, 0.125, RANK,
                                  1, rows, False)  # fmt: skip
-    return time.process_time() - start, (scores,)
+    return time.process_time() - start, (scores.contiguous(),)
 
 
-def run_backward(ops, x, c, s):
+def run_backward(ops, x, c, s, layout=None):  # the backward operator takes contiguous chunks
     raw, grad = x["raw"].clone(), x["grad"].clone()
     dqt, dkt = torch.zeros_like(x["query_terms"]), torch.zeros_like(x["key_terms"])
     start = time.process_time()
@@ -111,22 +131,24 @@ def run_backward(ops, x, c, s):
     return time.process_time() - start, (raw, grad, dqt, dkt)
 
 
-def compare(variants: list[tuple[str, object]], shapes, repeats: int) -> list[dict]:
-    """Times every variant's two operators on each shape, interleaved; returns one row per shape and variant."""
+def compare(variants: list[tuple], shapes, repeats: int, layout: str = "staggered") -> list[dict]:
+    """Times every variant's two operators on each shape, interleaved; returns one row per shape and variant.
+    variants: (name, operators) or (name, operators, layout of the forward operator's scores; default `layout`)."""
     rows = []
+    variants = [(v[0], v[1], v[2] if len(v) > 2 and v[2] else layout) for v in variants]
     for shape in shapes:
         B, N, c, s = shape
         x = chunk(shape)
-        times = {name: {"forward": [], "backward": []} for name, _ in variants}
+        times = {name: {"forward": [], "backward": []} for name, _, _ in variants}
         outputs = {}
         for r in range(repeats):
-            for name, ops in variants if r % 2 == 0 else variants[::-1]:
+            for name, ops, scores_layout in variants if r % 2 == 0 else variants[::-1]:
                 for op, fn in (("backward", run_backward), ("forward", run_forward)):
-                    seconds, out = fn(ops, x, c, s)
+                    seconds, out = fn(ops, x, c, s, scores_layout)
                     times[name][op].append(seconds)
                     outputs[name, op] = out
         first = variants[0][0]
-        for name, _ in variants:
+        for name, _, _ in variants:
             row = {"shape": "x".join(map(str, shape)), "variant": name}
             for op in ("forward", "backward"):
                 mine, base = times[name][op], times[first][op]
@@ -161,12 +183,17 @@ def main(argv=None) -> None:
                         help="where the variants' renamed sources are written (default: the kernel cache's ab/); "
                         "they are built into the kernel cache like the kernel")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="staggered",
+                        help="the forward operator's scores: laid out as the model's chunks (cpu_kernel.score_layout) "
+                        "or contiguous; a variant's @layout suffix overrides it (default staggered)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    specs = [split_layout(spec) for spec in args.sources]
     torch.set_num_threads(args.threads)
-    variants = [(spec, build(spec, args.source_dir)) for spec in args.sources]
-    print_rows(compare(variants, args.shapes, args.repeats))
+    variants = [(name, build(source, args.source_dir), layout)
+                for name, (source, layout) in zip(args.sources, specs)]  # fmt: skip
+    print_rows(compare(variants, args.shapes, args.repeats, args.layout))
 
 
 if __name__ == "__main__":

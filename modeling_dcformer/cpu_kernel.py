@@ -47,6 +47,10 @@ DECODE_MAX_QUERIES = 16
 # queries computes about c / 2 masked products a row, so 64 instead of 128 computes 25% fewer scores at 128 tokens
 # and 6% fewer at 1,024 (a training step 0.93-1.04x, median 0.99: docs/performance.md, round 9)
 KERNEL_CHUNK_QUERIES = 64
+# a chunk's scores are laid out so that one head's rows start this many floats after the previous head's, modulo
+# 4 KiB (1,024 floats): the operator's block stride (STRIDE in csrc/dcmha_cpu.cpp), where its Compose works on the
+# scores in place instead of on copies (`score_layout`)
+HEAD_STAGGER = 136
 _parallel_pid: int | None = None  # the process whose thread pool the kernel has used
 
 
@@ -95,6 +99,15 @@ def cpu_signature() -> str:
 
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def score_layout(B: int, N: int, c: int, s: int) -> tuple[int, tuple[int, int, int, int]]:
+    """How `kernel_forward` lays out a chunk's scores [B, N, c, s]: each head's c rows of s keys contiguous, the heads
+    HEAD_STAGGER floats apart modulo 4 KiB (rows of contiguous heads at 1,024 keys would lie a multiple of 4 KiB
+    apart, in the same few L1 cache sets, and the operator would work on copies). Returns the floats the chunk
+    needs and its strides."""
+    head = -(-c * s // 1024) * 1024 + HEAD_STAGGER
+    return B * N * head, (N * head, head, s, 1)
 
 
 def rows_per_tile(num_heads_per_group: int, keys: int, budget_floats: int = 1 << 18) -> int:
@@ -295,19 +308,20 @@ class KernelCall(NamedTuple):
 
 def kernel_forward(call: KernelCall, query, key, value, query_terms, key_terms, output_attentions: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per chunk: q.k into one buffer reused by every chunk, the operator in place on it, then @ v. Returns the
-    output [B, T, N, Dh] and, with `output_attentions`, the probabilities [B, N, T, S]."""
+    """Per chunk: q.k into one buffer reused by every chunk (laid out by `score_layout`), the operator in place on
+    it, then @ v. Returns the output [B, T, N, Dh] and, with `output_attentions`, the probabilities [B, N, T, S]."""
     B, N, T, Dh = query.shape
     S = key.shape[2]
     q = query.reshape(B * N, T, Dh)  # views where they can be (batch 1): the products take strides
     k = key.reshape(B * N, S, Dh)
     v = value.reshape(B * N, S, Dh)
     probs_all = q.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
-    buffer = torch.empty(max(B * N * (t1 - t0) * (s1 - s0) for t0, t1, s0, s1 in call.spans), dtype=torch.float32)
+    layouts = [score_layout(B, N, t1 - t0, s1 - s0) for t0, t1, s0, s1 in call.spans]
+    buffer = torch.empty(max(size for size, _ in layouts), dtype=torch.float32)
     outputs = []
-    for t0, t1, s0, s1 in call.spans:
+    for (t0, t1, s0, s1), (_, strides) in zip(call.spans, layouts):
         c, s = t1 - t0, s1 - s0
-        scores = buffer[: B * N * c * s].view(B * N, c, s)
+        scores = buffer.as_strided((B, N, c, s), strides).view(B * N, c, s)  # the products write into the layout
         if q.dtype == torch.float32:
             torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2), out=scores)
         else:  # products in the model's dtype, then fp32, as in the eager chunks
@@ -443,12 +457,15 @@ def compose_softmax_compose(
     rank: int,
     num_groups: int,
 ) -> torch.Tensor:
-    """In place on `scores` ([B, N, c, s] fp32, contiguous, the raw q.k products of one chunk): Compose (of
+    """In place on `scores` ([B, N, c, s] fp32, the raw q.k products of one chunk; contiguous, or any layout of rows
+    of contiguous keys that do not overlap, such as `score_layout`'s): Compose (of
     `scores * scale`) with the pre slots, mask, softmax, Compose with the post slots, masked keys set to 0.
     query_terms: [B, G, 2, 2I+1, M, T] and key_terms [B, G, 2, 2I+1, M, S] or None (fp32, contiguous, time last;
     the chunk's queries start at index t0, its keys at s0); key_padding_mask: [B, S] bool/uint8 or None. The
     chunk's query r sits at absolute position query_pos0 + r, its key j at key_pos0 + j. Returns `scores`."""
-    pad = checked_operands(rank, key_padding_mask, scores=scores, query_terms=query_terms, key_terms=key_terms)
+    if scores.dtype != torch.float32 or scores.device.type != "cpu" or scores.dim() != 4 or scores.stride(-1) != 1:
+        raise ValueError("the DCMHA CPU kernel takes float32 CPU scores [B, N, c, s] whose keys are contiguous")
+    pad = checked_operands(rank, key_padding_mask, query_terms=query_terms, key_terms=key_terms)
     B, N, c, s = scores.shape
     with operator_errors():
         torch.ops.dcformer.compose_softmax_compose_(

@@ -322,6 +322,11 @@ def test_ab_kernel_source_renames_every_registration_and_parses_shapes(ab_kernel
             ab_kernel.parse_shapes(bad)
     with pytest.raises(FileNotFoundError, match="no kernel source"):
         ab_kernel.build("/nonexistent/dcmha_cpu.cpp:-O2", Path("/tmp"))
+    assert ab_kernel.split_layout("a@b.cpp:-O2@contiguous") == ("a@b.cpp:-O2", "contiguous")
+    assert ab_kernel.split_layout("a.cpp:-O2") == ("a.cpp:-O2", None)
+    assert ab_kernel.split_layout("dir@2/a.cpp") == ("dir@2/a.cpp", None)  # not a layout: part of the path
+    with pytest.raises(FileNotFoundError, match="a.cpp@transposed"):
+        ab_kernel.build(ab_kernel.split_layout("/nonexistent/a.cpp@transposed")[0], Path("/tmp"))
 
 
 def test_ab_kernel_source_times_variants_and_flags_one_that_computes_something_else(ab_kernel, capsys):
@@ -349,6 +354,9 @@ def test_ab_kernel_source_times_variants_and_flags_one_that_computes_something_e
         assert row["forward_difference"] == 0.0
         assert (row["backward_difference"] > 0.1) == (row["variant"] == "broken"), row
     assert all(r["forward_ratio"] == 1.0 and r["backward_ratio"] == 1.0 for r in rows if r["variant"] == "a")
+    # the forward operator's scores in the model's layout or contiguous: the same numbers
+    both = ab_kernel.compare([("model", ops), ("contiguous", ops, "contiguous")], [(1, 3, 4, 40)], 1)
+    assert [r["forward_difference"] for r in both] == [0.0, 0.0]
     ab_kernel.print_rows(rows)
     out = capsys.readouterr().out
     assert out.count("\n| 1x2x3x20 |") == 3 and "| `broken` |" in out

@@ -65,6 +65,9 @@ CASES = {
     # of the vector width
     "heads12-blocks": (1, 1, 12, 2, 9, 150, True, None, True, 0, 0),
     "heads16-querywise": (1, 1, 16, 2, 4, 70, False, 30, False, 0, 3),
+    # whole 16-key vectors in every block: in `score_layout`'s layout the operator composes the scores in place
+    "heads12-whole-blocks": (1, 1, 12, 2, 9, 256, True, None, True, 0, 0),
+    "groups2-whole-blocks": (2, 2, 4, 2, 6, 64, True, 20, True, 1, 0),
 }
 
 
@@ -119,6 +122,65 @@ def test_kernel_chunk_matches_oracle(case, rows, monkeypatch):
     # the test can fail: the composition moves the result
     plain = torch.softmax(raw.double().mul(0.3).masked_fill(~allowed[:, None], float("-inf")), -1).nan_to_num(0.0)
     assert (plain - ref).abs().max() > 1e-2
+
+
+def laid_out(raw: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`raw` [B, N, c, s] copied into a tensor laid out as `layout` says, and the storage around it: "staggered"
+    (`score_layout`, as the model's chunks), "padded" (rows of more floats than keys, heads and batches apart by
+    more than they hold: a slice of a bigger tensor) or "heads-sliced" (the last N of N + 1 heads of a contiguous
+    tensor)."""
+    B, N, c, s = raw.shape
+    if layout == "staggered":
+        size, strides = cpu_kernel.score_layout(B, N, c, s)
+    elif layout == "padded":
+        row, head = s + 5, (s + 5) * c + 3
+        size, strides = B * (N * head + 7), (N * head + 7, head, row, 1)
+    else:
+        size, strides = B * (N + 1) * c * s, ((N + 1) * c * s, c * s, s, 1)
+    storage = torch.full((size,), 12345.0)
+    view = storage.as_strided(raw.shape, strides, c * s if layout == "heads-sliced" else 0)
+    view.copy_(raw)
+    return view, storage
+
+
+@pytest.mark.parametrize("layout", ["staggered", "padded", "heads-sliced"])
+@pytest.mark.parametrize("case", ["rank2", "blocks-tail", "heads12-blocks", "heads12-whole-blocks",
+                                  "groups2-whole-blocks", "querywise"])
+def test_kernel_chunk_in_other_layouts(case, layout):
+    """The operator takes scores in any layout of non-overlapping rows of contiguous keys; in the model's (staggered)
+    it composes whole blocks where they are instead of on copies. Same numbers as the contiguous chunk (the same
+    arithmetic, bit for bit), the oracle's, and nothing outside the chunk's keys written."""
+    x = chunk_case(case, 7)
+    raw, qt, kt, pad, qpos0, kpos0, allowed, window, I, G = (x[k] for k in "raw qt kt pad qpos0 kpos0 allowed window I G".split())
+    args = (time_last(qt), x["t0"], time_last(kt), x["s0"], pad, qpos0, kpos0, window, 0.3, I, G)
+    contiguous = cpu_kernel.compose_softmax_compose(raw.clone(), *args)
+    scores, storage = laid_out(raw, layout)
+    untouched = storage.clone()
+    out = cpu_kernel.compose_softmax_compose(scores, *args)
+    assert out.data_ptr() == scores.data_ptr() and out.stride() == scores.stride()
+    assert torch.equal(scores, contiguous)
+    ref = oracle_chunk(raw, qt[:, x["t0"] : x["t0"] + x["c"]], None if kt is None else kt[:, x["s0"] : x["s0"] + x["s"]],
+                       allowed, 0.3, I)  # fmt: skip
+    torch.testing.assert_close(scores.double(), ref, atol=1e-5, rtol=1e-5)
+    outside = torch.ones_like(storage, dtype=torch.bool)
+    outside.as_strided(scores.shape, scores.stride(), scores.storage_offset()).fill_(False)
+    assert torch.equal(storage[outside], untouched[outside])  # the padding between rows and heads is not written
+
+
+def test_kernel_refuses_scores_whose_rows_overlap():
+    """The loops write each row in place: a layout whose rows, heads or batches overlap is an error that says so,
+    and the legitimate neighbours (contiguous, staggered, padded rows) run."""
+    B, G, M, I, c, s = 2, 1, 2, 1, 3, 16
+    qt = torch.zeros(B, G, 2, 2 * I + 1, M, c)
+    storage = torch.zeros(5000)
+    run = lambda scores: cpu_kernel.compose_softmax_compose(scores, qt, 0, None, 0, None, 0, 0, None, 1.0, I, G)  # noqa: E731
+    for strides in [(96, 48, 8, 1), (96, 40, 16, 1), (80, 48, 16, 1), (96, 48, 16, 2)]:
+        with pytest.raises(ValueError, match="laid out|contiguous"):  # rows, heads, batches overlap; keys strided
+            run(storage.as_strided((B, G * M, c, s), strides))
+    for strides in [(96, 48, 16, 1), (200, 60, 20, 1), cpu_kernel.score_layout(B, G * M, c, s)[1]]:
+        run(storage.as_strided((B, G * M, c, s), strides))
+    with pytest.raises(ValueError, match="float32"):
+        run(torch.zeros(B, G * M, c, s, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -340,7 +402,7 @@ def test_kernel_is_a_clear_error_where_it_cannot_run():
     assert "runs on CPU" in kernel.why_not(probe(device="meta"))
     assert "rank" in kernel.why_not(probe(rank=cpu_kernel.MAX_RANK + 1))
     assert kernel.why_not(probe()) is None
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="float32 CPU scores"):
         cpu_kernel.compose_softmax_compose(
             torch.zeros(1, 2, 3, 4, dtype=torch.float64), torch.zeros(1, 1, 2, 5, 2, 3), 0, None, 0, None, 0, 0,
             None, 1.0, 2, 1,
@@ -559,7 +621,9 @@ def test_decode_operator_refuses_operands_that_do_not_match():
         run(rank=cpu_kernel.MAX_RANK + 1)
 
 
-@pytest.mark.parametrize("G,C,K,I,M,R", [(1, 4, 32, 2, 8, 1), (2, 4, 6, 1, 3, 5), (3, 2, 9, 3, 2, 40)])
+# R <= 4 rows: the operator's own products (a decode step); more: ATen's
+@pytest.mark.parametrize("G,C,K,I,M,R", [(1, 4, 32, 2, 8, 1), (2, 4, 6, 1, 3, 4), (2, 4, 6, 1, 3, 5),
+                                         (3, 2, 9, 3, 2, 40)])
 def test_dynamic_terms_operator_matches_oracle(G, C, K, I, M, R):
     D = 24
     gen = torch.Generator().manual_seed(G * 100 + R)
@@ -574,6 +638,9 @@ def test_dynamic_terms_operator_matches_oracle(G, C, K, I, M, R):
         torch.testing.assert_close(out[:, :, c, :I].double(), w1[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out[:, :, c, I : 2 * I].double(), w2[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out[:, :, c, 2 * I].double(), diag[0], atol=1e-5, rtol=1e-5)
+    rows = torch.randn(R, 2 * D, generator=gen)[:, 3 : 3 + D]  # the same rows, not contiguous with each other
+    rows.copy_(x)
+    torch.testing.assert_close(cpu_kernel.dynamic_terms(rows, dw1.view(D, -1), dd.view(D, -1), qkw, I, 1e-6), out)
     with pytest.raises(ValueError, match="do not match"):
         cpu_kernel.dynamic_terms(x, dw1.view(D, -1)[:, 1:], dd.view(D, -1), qkw, I, 1e-6)
     with pytest.raises(ValueError, match="2 \\* rank"):

@@ -24,6 +24,7 @@
 #define STRIDE (BLOCK + 8)
 #define MAX_RANK 8
 #define MAX_HEADS 256  /* heads per group the backward pass supports */
+#define FEW_ROWS 4     /* the dynamic-weight projection's products are the operator's own up to this many rows */
 
 /* exp(x) for x <= 0 (Cephes' expf polynomial, within 2 ulp), 0 below -87.3; written so that loops vectorise */
 static inline float exp_nonpos(float x) {
@@ -61,20 +62,20 @@ static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
    x[n] = a[n][j] * sc[n] (a: [M][stride]; sc: the scale or the softmax's 1 / sum of each head, or NULL for 1) give
        out[m] = x[m] (1 + qdd[m]) + sum_i hq_i qw2[i][m] + x[m] kdd[m][j] + sum_i hk_i[j] kw2[i][m][j]
    where hq_i = sum_n x[n] qw1[i][n] and hk_i[j] = sum_n x[n] kw1[i][n][j]. q: the row's query factors [2I+1][M];
-   k: the keys' factors [2I+1][M][stride], or NULL (query-wise). Each head's output goes to store(m, out), in head
+   k: the keys' factors [2I+1][M][kstride], or NULL (query-wise). Each head's output goes to store(m, out), in head
    order, after every head's input is read (so it may write over a). The hidden values stay in registers: each
    score is read twice. Inlined with M and I constant where they can be (the loops unroll). */
 template <typename Store>
-static inline __attribute__((always_inline)) void compose8(const float *a, int stride, int j, const int M, const int I,
-                                                           const float *q, const float *k, const float *sc,
-                                                           Store store) {
+static inline __attribute__((always_inline)) void compose8(const float *a, int64_t stride, int j, const int M,
+                                                           const int I, const float *q, const float *k, int kstride,
+                                                           const float *sc, Store store) {
     v8 hq[MAX_RANK], hk[MAX_RANK];
     for (int i = 0; i < I; i++) hq[i] = hk[i] = v8{};
     for (int n = 0; n < M; n++) {
         const v8 x = sc ? load8(a + n * stride + j) * sc[n] : load8(a + n * stride + j);
         for (int i = 0; i < I; i++) {
             hq[i] += x * q[i * M + n];
-            if (k) hk[i] += x * load8(k + (i * M + n) * stride + j);
+            if (k) hk[i] += x * load8(k + (i * M + n) * kstride + j);
         }
     }
     for (int m = 0; m < M; m++) {
@@ -82,8 +83,8 @@ static inline __attribute__((always_inline)) void compose8(const float *a, int s
         v8 out = x * (1.0f + q[2 * I * M + m]);
         for (int i = 0; i < I; i++) out += hq[i] * q[(I + i) * M + m];
         if (k) {
-            out += x * load8(k + (2 * I * M + m) * stride + j);
-            for (int i = 0; i < I; i++) out += hk[i] * load8(k + ((I + i) * M + m) * stride + j);
+            out += x * load8(k + (2 * I * M + m) * kstride + j);
+            for (int i = 0; i < I; i++) out += hk[i] * load8(k + ((I + i) * M + m) * kstride + j);
         }
         store(m, out);
     }
@@ -105,12 +106,12 @@ static inline __attribute__((always_inline)) void compose8(const float *a, int s
         default: SHAPE(M, I);                     \
     }
 
-/* Compose in place on the keys [0, L) of a block (a: [M][STRIDE], L a multiple of 16; k: the block's key factors
-   [2I+1][M][STRIDE] or NULL), with keys outside [lo, hi) or padding (pad[j] == 0, where pad) set to `fill`; mx, where
-   given, each head's running maximum in 16 lanes ([M][16]; keys j..j+7 update lanes j % 16 ..). Compiled apart with
-   and without key-wise factors and masked keys. */
-static void compose_block(float *a, int L, int M, int I, const float *q, const float *k, const float *sc, int lo,
-                          int hi, const uint8_t *pad, float fill, float *mx) {
+/* Compose in place on the keys [0, L) of a block (a: head m's keys at a + m * astride, L a multiple of 16; k: the
+   block's key factors [2I+1][M][STRIDE] or NULL), with keys outside [lo, hi) or padding (pad[j] == 0, where pad)
+   set to `fill`; mx, where given, each head's running maximum in 16 lanes ([M][16]; keys j..j+7 update lanes
+   j % 16 ..). Compiled apart with and without key-wise factors and masked keys. */
+static void compose_block(float *a, int64_t astride, int L, int M, int I, const float *q, const float *k,
+                          const float *sc, int lo, int hi, const uint8_t *pad, float fill, float *mx) {
     const int masked = lo > 0 || hi < L || pad;
     const vi8 fillv = (vi8)(v8{} + fill);
 #define COMPOSE_LOOP(HEADS, RANK, K, MASKED)                                                        \
@@ -125,7 +126,7 @@ static void compose_block(float *a, int L, int M, int I, const float *q, const f
                 keep &= p != 0;                                                                     \
             }                                                                                       \
         }                                                                                           \
-        compose8(a, STRIDE, j, HEADS, RANK, q, K, sc, [&](int m, v8 out) {                           \
+        compose8(a, astride, j, HEADS, RANK, q, K, STRIDE, sc, [&](int m, v8 out) {                  \
             if (MASKED) out = (v8)(((vi8)out & keep) | (fillv & ~keep));                            \
             if (mx) {                                                                               \
                 float *lane = mx + m * VW + (j & (VW - 1));                                         \
@@ -133,7 +134,7 @@ static void compose_block(float *a, int L, int M, int I, const float *q, const f
                 const vi8 up = out > top;                                                           \
                 store8(lane, (v8)(((vi8)out & up) | ((vi8)top & ~up)));                             \
             }                                                                                       \
-            store8(a + m * STRIDE + j, out);                                                        \
+            store8(a + m * astride + j, out);                                                       \
         });                                                                                         \
     }
 #define COMPOSE_KM(HEADS, RANK)                                                          \
@@ -177,8 +178,21 @@ static float softmax_row(float *__restrict__ x, int n, const float *mx) {
     return 1.0f / sum;
 }
 
+/* Where a chunk's scores lie: head n of batch b, row r at b * batch + n * head + r * row (floats). `staggered`: one
+   head's rows lie STRIDE floats after the previous head's modulo 4 KiB (head % 1024 == STRIDE), as the rows of a
+   block buffer do, so Compose works on the scores where they are. Otherwise (a contiguous chunk: at 1,024 keys
+   the heads' rows lie a multiple of 4 KiB apart) it works on copies of each block (`dcmha_tile`). The model's
+   chunks are laid out staggered (cpu_kernel.score_layout): the copies cost 10-16% of the forward operator's time
+   at 64-512 keys (docs/performance.md, round 12). */
+struct ScoreLayout {
+    int64_t batch, head, row;
+    bool staggered;
+};
+
+static ScoreLayout contiguous_layout(int64_t N, int64_t c, int64_t s) { return {N * c * s, c * s, s, false}; }
+
 /* One tile of DCMHA between the two matrix products, in place: rows [r0, r1) of the chunk for batch x group bg.
-   scores: [B, G*M, c, s] contiguous, the raw q.k products; on return the composed probabilities.
+   scores: [B, G*M, c, s] laid out as `lay` says, the raw q.k products; on return the composed probabilities.
    qt: [B, G, 2, 2I+1, M, T] (slots pre, post; time last), the chunk's first query at time index t0.
    kt: [B, G, 2, 2I+1, M, S] (time last), the chunk's first key at index s0; nullptr for query-wise composition.
    pad: [B, pad_stride] bytes, 1 for a real key, the chunk's first key at index s0; or nullptr. Query r of the chunk
@@ -186,11 +200,12 @@ static float softmax_row(float *__restrict__ x, int n, const float *mx) {
    kpos > qpos - window (window > 0) and the key is real.
    The tile is done in three steps: Compose before the softmax (masked keys -FLT_MAX), the softmax of each head's
    row, Compose after it (masked keys 0; the softmax's division folded into it). Compose works on blocks of BLOCK
-   keys copied to contiguous buffers (the heads' rows, the block's key factors, the row's query factors): in
-   place, the rows of the M heads and of the factors lie a multiple of 4 KiB apart and would compete for the same
-   few L1 cache sets. */
-static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const float *qt, int64_t T, int64_t t0,
-                       const float *kt, int64_t S, int64_t s0, const uint8_t *pad, int64_t pad_stride,
+   keys; the block's key factors and the row's query factors are copied to contiguous buffers (in place, the rows
+   of the factors lie a multiple of 4 KiB apart and would compete for the same few L1 cache sets), and so are the
+   heads' scores unless the layout is staggered and the block holds a whole number of 16-key vectors (Compose
+   writes whole vectors; in place, the lanes past the block's keys would be another row's). */
+static void dcmha_tile(float *scores, ScoreLayout lay, int G, int M, int c, int s, int I, const float *qt, int64_t T,
+                       int64_t t0, const float *kt, int64_t S, int64_t s0, const uint8_t *pad, int64_t pad_stride,
                        int64_t qpos0, int64_t kpos0, int64_t window, float scale, int64_t bg, int r0, int r1) {
     const int W = 2 * I + 1, R = r1 - r0;
     const int64_t b = bg / G;
@@ -203,7 +218,9 @@ static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const f
     float *qb = kb + (size_t)W * M * STRIDE;
     uint8_t pb[BLOCK];  /* the block's padding bytes */
     for (int n = 0; n < M; n++) pre[n] = scale;
-    float *base = scores + bg * M * c * s;  /* head n, row r: base + (n * c + r) * s */
+    /* head n, row r: base + n * head + r * row */
+    const int64_t head = lay.head, row = lay.row;
+    float *base = scores + b * lay.batch + (bg % G) * M * head;
     const uint8_t *pd = pad ? pad + b * pad_stride + s0 : nullptr;
     for (int slot = 0; slot < 2; slot++) {
         const float *qs = qt + (bg * 2 + slot) * W * M * T + t0;
@@ -216,10 +233,11 @@ static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const f
         else
             for (int r = r0; r < r1; r++)
                 for (int n = 0; n < M; n++)
-                    sc[(r - r0) * M + n] = softmax_row(base + ((int64_t)n * c + r) * s, s, mx + ((r - r0) * M + n) * VW);
+                    sc[(r - r0) * M + n] = softmax_row(base + n * head + r * row, s, mx + ((r - r0) * M + n) * VW);
         for (int j0 = 0; j0 < s; j0 += BLOCK) {
             /* L keys, Lv rounded up to the vector width: the lanes past L are zero, masked, not written */
             const int L = s - j0 < BLOCK ? s - j0 : BLOCK, Lv = (L + VW - 1) / VW * VW;
+            const bool direct = lay.staggered && L == Lv;  /* Compose on the scores where they are, not on a copy */
             if (ks)
                 for (int w = 0; w < W * M; w++)
                     for (int j = 0; j < Lv; j++) kb[w * STRIDE + j] = j < L ? ks[(int64_t)w * S + j0 + j] : 0.0f;
@@ -227,25 +245,29 @@ static void dcmha_tile(float *scores, int G, int M, int c, int s, int I, const f
                 for (int j = 0; j < Lv; j++) pb[j] = j < L ? pd[j0 + j] : 0;
             for (int r = r0; r < r1; r++) {
                 if (r + 1 < r1)  /* the next row's block, from L3 while this one is worked on */
-                    for (int n = 0; n < M; n++) prefetch_span(base + ((int64_t)n * c + r + 1) * s + j0, L);
+                    for (int n = 0; n < M; n++) prefetch_span(base + n * head + (r + 1) * row + j0, L);
                 int64_t lo, hi;  /* this row's visible keys in the block, before padding */
                 visible_span(qpos0 + r, kpos0 + j0, window, L, &lo, &hi);
                 if (hi <= lo) { /* the row sees no key of the block */
                     for (int n = 0; n < M; n++) {
-                        float *x = base + ((int64_t)n * c + r) * s + j0;
+                        float *x = base + n * head + r * row + j0;
                         for (int j = 0; j < L; j++) x[j] = fill;
                     }
                     continue;
                 }
-                for (int n = 0; n < M; n++) {
-                    std::memcpy(xb + n * STRIDE, base + ((int64_t)n * c + r) * s + j0, sizeof(float) * L);
-                    for (int j = L; j < Lv; j++) xb[n * STRIDE + j] = 0.0f;
-                }
-                compose_block(xb, Lv, M, I, qb + (r - r0) * W * M, ks ? kb : nullptr,
+                float *a = direct ? base + r * row + j0 : xb;
+                const int64_t astride = direct ? head : STRIDE;
+                if (!direct)
+                    for (int n = 0; n < M; n++) {
+                        std::memcpy(xb + n * STRIDE, base + n * head + r * row + j0, sizeof(float) * L);
+                        for (int j = L; j < Lv; j++) xb[n * STRIDE + j] = 0.0f;
+                    }
+                compose_block(a, astride, Lv, M, I, qb + (r - r0) * W * M, ks ? kb : nullptr,
                               slot == 0 ? pre : sc + (r - r0) * M, (int)lo, (int)hi, pd ? pb : nullptr, fill,
                               slot == 0 ? mx + (r - r0) * M * VW : nullptr);
-                for (int n = 0; n < M; n++)
-                    std::memcpy(base + ((int64_t)n * c + r) * s + j0, xb + n * STRIDE, sizeof(float) * L);
+                if (!direct)
+                    for (int n = 0; n < M; n++)
+                        std::memcpy(base + n * head + r * row + j0, xb + n * STRIDE, sizeof(float) * L);
             }
         }
     }
@@ -269,9 +291,14 @@ static void fp32_cpu(const at::Tensor &t, const char *name) {
 static ChunkOperands check_chunk(const at::Tensor &scores, const char *name, const at::Tensor &query_terms,
                                  int64_t t0, const std::optional<at::Tensor> &key_terms, int64_t s0,
                                  const std::optional<at::Tensor> &key_padding_mask, int64_t rank,
-                                 int64_t num_groups) {
+                                 int64_t num_groups, bool strided_scores = false) {
     ChunkOperands x;
-    fp32_cpu(scores, name);
+    if (strided_scores) {
+        TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat,
+                    "the DCMHA CPU kernel takes float32 CPU tensors; ", name, " is not");
+    } else {
+        fp32_cpu(scores, name);
+    }
     fp32_cpu(query_terms, "query_terms");
     TORCH_CHECK(scores.dim() == 4, name, " must be [B, N, c, s]");
     const int64_t N = scores.size(1);
@@ -305,7 +332,8 @@ static ChunkOperands check_chunk(const at::Tensor &scores, const char *name, con
     return x;
 }
 
-/* dcformer::compose_softmax_compose_: the whole chunk, in place on `scores` ([B, G*M, c, s] fp32 contiguous).
+/* dcformer::compose_softmax_compose_: the whole chunk, in place on `scores` ([B, G*M, c, s] fp32, each row of keys
+   contiguous, rows that do not overlap: contiguous, or staggered as cpu_kernel.score_layout lays it out).
    Every argument is checked here: the loops trust these bounds. Tiles of `rows` query rows (per batch x group)
    are spread over PyTorch's intra-op threads when `parallel` (each tile is computed alone: the numbers do not
    depend on the threads). */
@@ -315,8 +343,17 @@ static void compose_softmax_compose_(const at::Tensor &scores, const at::Tensor 
                                      int64_t key_pos0, int64_t window, double scale, int64_t rank, int64_t num_groups,
                                      int64_t rows, bool parallel) {
     const ChunkOperands x = check_chunk(scores, "scores", query_terms, t0, key_terms, s0, key_padding_mask, rank,
-                                        num_groups);
+                                        num_groups, true);
     TORCH_CHECK(rows >= 1, "bad rows");
+    /* rows of keys, each contiguous, that do not overlap: each row after the previous one, each head after the
+       previous head's rows, each batch after the previous batch's heads (in the strides' own order) */
+    const int64_t st0 = scores.stride(0), st1 = scores.stride(1), st2 = scores.stride(2);
+    const int64_t last_row = (x.c - 1) * st2 + x.s, last_head = (x.G * x.M - 1) * st1 + last_row;
+    TORCH_CHECK(scores.stride(3) == 1 && (x.c == 1 || st2 >= x.s) && (x.G * x.M == 1 || st1 >= last_row) &&
+                    (x.B == 1 || st0 >= last_head),
+                "scores must be laid out batch after batch, head after head, row after row, each row's keys "
+                "contiguous (strides ", scores.strides(), ")");
+    const ScoreLayout layout{st0, st1, st2, x.G * x.M > 1 && st1 % 1024 == STRIDE};
     const int64_t B = x.B, G = x.G, M = x.M, c = x.c, s = x.s, T = x.T, S = x.S, pad_stride = x.pad_stride;
     const float *qt = x.qt, *kt = x.kt;
     const uint8_t *pad = x.pad;
@@ -326,7 +363,7 @@ static void compose_softmax_compose_(const at::Tensor &scores, const at::Tensor 
         for (int64_t index = begin; index < end; index++) {
             const int64_t bg = index / ntiles, tile = index % ntiles;
             const int r0 = (int)(tile * rows), r1 = (int)std::min<int64_t>(c, (tile + 1) * rows);
-            dcmha_tile(sp, (int)G, (int)M, (int)c, (int)s, (int)rank, qt, T, t0, kt, S, s0, pad, pad_stride,
+            dcmha_tile(sp, layout, (int)G, (int)M, (int)c, (int)s, (int)rank, qt, T, t0, kt, S, s0, pad, pad_stride,
                        query_pos0, key_pos0, window, (float)scale, bg, r0, r1);
         }
     };
@@ -416,7 +453,7 @@ static inline __attribute__((always_inline)) void compose8_backward(
 static void compose_row(const float *a, float *out, int len, int sv, int M, int I, const float *q, const float *k) {
 #define ROW(HEADS, RANK, K)                                                                    \
     for (int j = 0; j < len; j += V8)                                                          \
-        compose8(a, sv, j, HEADS, RANK, q, K, static_cast<const float *>(nullptr),             \
+        compose8(a, sv, j, HEADS, RANK, q, K, sv, static_cast<const float *>(nullptr),         \
                  [&](int m, v8 o) { store8(out + m * sv + j, o); })
 #define ROW_K(HEADS, RANK) if (k) ROW(HEADS, RANK, k); else ROW(HEADS, RANK, static_cast<const float *>(nullptr));
     DISPATCH_SHAPES(ROW_K)
@@ -632,8 +669,25 @@ static void compose_softmax_compose_backward_(const at::Tensor &raw, const at::T
    DynamicWeightProjection's forward packs them:
        h = x @ dw1,  [w1; w2] = gelu(h[g, c]) @ qkw[g, c],  w1's rows RMS-normalised over M (eps),
        dd = tanh((x @ dd)[g, c]).
-   The two products are ATen's; the rest is one pass over each row instead of the dozen PyTorch ops (and their
-   dispatch) of the Python forward, which at a decode step cost several times the products. */
+   The two products are the operator's own up to FEW_ROWS rows (a decode step: they stream the weights from memory
+   once, which ATen's GEMM, made for big products, took 1.5x as long to do at the Pythia-160M and DCPythia-6.9B
+   shapes: docs/performance.md, round 12), ATen's above; the rest is one pass over each row instead of the dozen
+   PyTorch ops (and their dispatch) of the Python forward, which at a decode step cost several times the products. */
+/* out [R, N] = x [R, D] (rows x_stride floats apart, each contiguous) times w [D, N] (contiguous), reading w once,
+   row by row, for the few rows of a decode step: every row of w is used by all R rows of x while it is in L1. */
+static void few_rows_times(const float *x, int64_t x_stride, int64_t R, const float *w, int64_t D, int64_t N,
+                           float *out) {
+    for (int64_t i = 0; i < R * N; i++) out[i] = 0.0f;
+    for (int64_t d = 0; d < D; d++) {
+        const float *wd = w + d * N;
+        for (int64_t r = 0; r < R; r++) {
+            const float a = x[r * x_stride + d];
+            float *__restrict__ o = out + r * N;
+            for (int64_t j = 0; j < N; j++) o[j] += a * wd[j];
+        }
+    }
+}
+
 static at::Tensor dynamic_terms(const at::Tensor &x, const at::Tensor &dw1, const at::Tensor &dd, const at::Tensor &qkw,
                                 int64_t rank, double eps, bool parallel) {
     auto check_2d = [](const at::Tensor &t, const char *name) {
@@ -651,8 +705,16 @@ static at::Tensor dynamic_terms(const at::Tensor &x, const at::Tensor &dw1, cons
     TORCH_CHECK(dw1.size(1) == G * C * K && dd.size(1) == G * C * M && dw1.size(0) == x.size(1) &&
                     dd.size(0) == x.size(1),
                 "x ", x.sizes(), ", dw1 ", dw1.sizes(), " and dd ", dd.sizes(), " do not match qkw ", qkw.sizes());
-    const at::Tensor h = at::mm(x, dw1).contiguous(), diag = at::mm(x, dd).contiguous();
-    const int64_t R = x.size(0);
+    const int64_t R = x.size(0), D = x.size(1);
+    at::Tensor h, diag;
+    if (R <= FEW_ROWS && x.stride(1) == 1 && dw1.is_contiguous() && dd.is_contiguous()) {
+        h = at::empty({R, G * C * K}, x.options()), diag = at::empty({R, G * C * M}, x.options());
+        few_rows_times(x.data_ptr<float>(), x.stride(0), R, dw1.data_ptr<float>(), D, G * C * K, h.data_ptr<float>());
+        few_rows_times(x.data_ptr<float>(), x.stride(0), R, dd.data_ptr<float>(), D, G * C * M,
+                       diag.data_ptr<float>());
+    } else {
+        h = at::mm(x, dw1).contiguous(), diag = at::mm(x, dd).contiguous();
+    }
     at::Tensor out = at::empty({R, G, C, 2 * I + 1, M}, h.options());
     const float *hp = h.data_ptr<float>(), *dp = diag.data_ptr<float>(), *wp = qkw.data_ptr<float>();
     float *op = out.data_ptr<float>();
@@ -775,7 +837,8 @@ static at::Tensor dcmha_decode(const at::Tensor &query, const at::Tensor &key, c
                     }
                 }
             }
-            dcmha_tile(scores.data(), 1, (int)M, (int)T, (int)S, (int)I, qt.data(), T, 0, ktp ? kt.data() : nullptr, S,
+            dcmha_tile(scores.data(), contiguous_layout(M, T, S), 1, (int)M, (int)T, (int)S, (int)I, qt.data(), T, 0,
+                       ktp ? kt.data() : nullptr, S,
                        0, pad ? pad + b * S : nullptr, 0, query_pos0, key_pos0, window, (float)scale, 0, 0, (int)T);
             for (int64_t m = 0; m < M; m++) {  /* the probabilities times the values */
                 const int64_t n = g * M + m;
