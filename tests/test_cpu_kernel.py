@@ -5,6 +5,9 @@ oracle, decoding, half precision, probabilities) are in test_dcmha_backends.py.
 - one chunk of the operator against Compose -> mask -> softmax -> Compose written from the spec in float64
   (`oracle_compose`): ranks 1..5, groups, key-wise or query-wise, windows, padding (rows that see no key), key
   offsets, rows that are not a multiple of the vector width, several blocks and tiles, several threads;
+- the operator on scores in other layouts (the model's, `score_layout`, where it composes in place; padded rows; a
+  slice of heads): the contiguous chunk's numbers bit for bit, nothing outside the chunk written; overlapping
+  layouts refused;
 - the backward operator (`compose_softmax_compose_backward_`) on one chunk against autograd through the same float64
   Compose (the products' and every factor's gradient, the same cases), half precision and threads in training;
 - where it applies: "auto" uses it for inference and training on CPU; "kernel" elsewhere is a clear error;
