@@ -214,10 +214,6 @@ class DCFormerAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.window_size = config.window_size if config.layer_types[layer_idx] == "sliding_attention" else None
-        # the layer's structure, read once (a config attribute costs microseconds a read: at a decode step, a
-        # dozen reads a layer add up); the implementation and chunking are read from the config at every call
-        self.use_qk_norm, self.use_dcmha, self.query_wise = config.use_qk_norm, config.use_dcmha, config.query_wise
-        self.dynamic_rank, self.num_head_groups = config.dynamic_rank, config.num_head_groups
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
         if config.use_qk_norm:
@@ -233,7 +229,7 @@ class DCFormerAttention(nn.Module):
         N, Dh = self.num_heads, self.head_dim
         qkv = self.qkv_proj(hidden_states).view(B, T, 3, N, Dh)
         query, key, value = qkv.unbind(2)
-        if self.use_qk_norm:
+        if self.config.use_qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)  # [B, N, T, Dh]
         # the values copied out of the q/k/v projection: a view would keep all three alive for the backward pass
@@ -242,11 +238,10 @@ class DCFormerAttention(nn.Module):
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
         query_terms = key_terms = None
-        implementation = self.config.dcmha_implementation
-        if self.use_dcmha:
+        if self.config.use_dcmha:
             kept = None if cache is None else cache.projection_weights.setdefault(self.layer_idx, {})
-            terms = self.dyn_w_proj(hidden_states, kept, implementation)  # [B, T, G, C, 2I+1, M]
-            if self.query_wise:  # slots (pre-query, post-query)
+            terms = self.dyn_w_proj(hidden_states, kept, self.config.dcmha_implementation)  # [B, T, G, C, 2I+1, M]
+            if self.config.query_wise:  # slots (pre-query, post-query)
                 query_terms, key_terms = terms, None
             else:  # slots (pre-query, pre-key, post-query, post-key)
                 query_terms, key_terms = terms[:, :, :, 0::2], terms[:, :, :, 1::2]
@@ -257,10 +252,10 @@ class DCFormerAttention(nn.Module):
         key_padding_mask = None if padding_mask is None else padding_mask[:, key_start : key_start + key.shape[2]]
         inputs = DCMHAInputs(query=query, key=key, value=value, query_terms=query_terms, key_terms=key_terms,
                              query_start=query_start, key_start=key_start, key_padding_mask=key_padding_mask,
-                             window_size=self.window_size, rank=self.dynamic_rank,
-                             num_groups=self.num_head_groups, chunk_size=self.config.attention_chunk_size)
-        recompute = self.training and torch.is_grad_enabled() and self.config.attention_recompute
-        out, probs = dcmha_attention(inputs, implementation, output_attentions=output_attentions,
+                             window_size=self.window_size, rank=self.config.dynamic_rank,
+                             num_groups=self.config.num_head_groups, chunk_size=self.config.attention_chunk_size)
+        recompute = self.config.attention_recompute and self.training and torch.is_grad_enabled()
+        out, probs = dcmha_attention(inputs, self.config.dcmha_implementation, output_attentions=output_attentions,
                                      recompute=recompute)
         return self.o_proj(out.reshape(B, T, D)), probs
 
