@@ -1,6 +1,8 @@
 """The DCFormer cache: keys, values and each key's composition factors, per layer, growing (`DCFormerCacheLayer`) or
 in static buffers (`DCFormerStaticCacheLayer`); filled by `DCFormerCache.update_dcmha`, rolled back by `crop`."""
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
@@ -51,6 +53,7 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         self.record_past = False
         self.key_terms: torch.Tensor | None = None
         self.cumulative_length = 0
+        self._grown: dict[str, weakref.ref] = {}  # what `_append` returned last, by name
 
     @property
     def is_croppable(self) -> bool:  # a global layer always; a local one while recording
@@ -60,17 +63,13 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         self.record_past = True
 
     def update_dcmha(self, key, value, key_terms):
-        if not self.is_initialized:
+        if not self.is_initialized:  # the first tokens are appended to none (copied: a view would keep its base alive)
             self.lazy_initialization(key, value)
-            # copies where they are views (the values of the fused q/k/v projection, two of the four factor
-            # slots): a view would keep its whole base tensor alive for as long as the cache
-            self.keys, self.values = key.contiguous(), value.contiguous()
-            self.key_terms = None if key_terms is None else key_terms.contiguous()
-        else:
-            self.keys = torch.cat([self.keys, key], dim=-2)
-            self.values = torch.cat([self.values, value], dim=-2)
-            if key_terms is not None:
-                self.key_terms = torch.cat([self.key_terms, key_terms], dim=1)
+            self.keys, self.values = key[:, :, :0], value[:, :, :0]
+            self.key_terms = None if key_terms is None else key_terms[:, :0]
+        in_place = self.window_size is None and not (torch.compiler.is_compiling() or key.requires_grad)  # `_append`
+        self.keys, self.values = self._append("keys", key, 2, in_place), self._append("values", value, 2, in_place)
+        self.key_terms = None if key_terms is None else self._append("key_terms", key_terms, 1, in_place)
         self.cumulative_length += key.shape[-2]
         if self.window_size is None:
             return self.keys, self.values, self.key_terms
@@ -81,6 +80,22 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
             stored = self.keys.shape[-2]
             self._keep(max(0, stored - self.window_size + 1), stored)
         return full
+
+    def _append(self, name: str, new: torch.Tensor, dim: int, in_place: bool) -> torch.Tensor:
+        """`name` + new along dim. In place on a global layer (untraced; no autograd, which saves versions): after the
+        tokens, room for an eighth + 64 more (DynamicLayer copies all each step); first tokens, crop, move: copied."""
+        stored, last, extra = getattr(self, name), self._grown.get(name), new.shape[dim]
+        if not in_place or not stored.shape[dim]:  # the first tokens: a copy where they are a view (of a bigger base)
+            return torch.cat([stored, new], dim=dim) if stored.shape[dim] else new.contiguous()
+        size = [*stored.shape]
+        if last is None or last() is not stored or size[dim] + extra > stored.stride(dim - 1) // stored.stride(dim):
+            room = [*size[:dim], (size[dim] + extra) * 9 // 8 + 64, *size[dim + 1 :]]
+            stored = stored.new_empty(room).narrow(dim, 0, size[dim]).copy_(stored)
+        size[dim] += extra
+        stored = stored.as_strided(size, stored.stride(), stored.storage_offset())
+        stored.narrow(dim, size[dim] - extra, extra).copy_(new)
+        self._grown[name] = weakref.ref(stored)
+        return stored
 
     def _keep(self, start: int, end: int) -> None:
         """Keep the stored tokens start..end-1 (copied when most of the storage goes: a view would keep it alive)."""
@@ -148,8 +163,7 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states, key_terms=None) -> None:
         B, N, _, Dh = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros(B, N, self.max_cache_len, Dh)
-        self.values = value_states.new_zeros(B, N, self.max_cache_len, Dh)
+        self.keys, self.values = (t.new_zeros(B, N, self.max_cache_len, Dh) for t in (key_states, value_states))
         if key_terms is not None:
             self.key_terms = key_terms.new_zeros(B, self.max_cache_len, *key_terms.shape[2:])
         self.is_initialized = True
@@ -161,8 +175,7 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
         if end > self.max_cache_len:
             raise ValueError(f"the static DCFormer cache holds max_cache_len={self.max_cache_len} tokens; this step "
                              f"would need {end}: make it longer (generate's max_cache_len, or max_new_tokens)")
-        self.keys[:, :, start:end] = key
-        self.values[:, :, start:end] = value
+        self.keys[:, :, start:end], self.values[:, :, start:end] = key, value
         if key_terms is not None:
             self.key_terms[:, start:end] = key_terms
         self.cumulative_length = end
@@ -173,8 +186,7 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
-    def get_max_cache_shape(self) -> int:
-        return self.max_cache_len
+    get_max_cache_shape = get_max_length
 
     def reset(self) -> None:
         self.cumulative_length = 0  # the buffers stay: the next sequence overwrites them

@@ -137,6 +137,8 @@ class CPUKernelBackend(DCMHABackend):
         """Build (unless a verified build is cached) and load the operator. Raises RuntimeError with the reason; the
         failure is remembered and logged once as a warning (so that "auto", which then does without the kernel,
         says so), and later calls fail at once."""
+        if self.loaded:  # set once the operators are registered, never unset: no lock needed to read it
+            return
         with self._lock:
             if self.loaded:
                 return
@@ -214,29 +216,33 @@ class CPUKernelBackend(DCMHABackend):
             shutil.rmtree(private, ignore_errors=True)  # a failed build leaves nothing behind
 
     # -- the interface -------------------------------------------------------------------------------------------
-    def projection_operator(self, x: torch.Tensor, *weights: torch.Tensor):
-        """`dynamic_terms` where the dynamic-weight projection of x with `weights` (dw1, qkw, dd) may use it: at most
+    def projection(self, x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: torch.Tensor, rank: int,
+                   eps: float) -> torch.Tensor | None:
+        """The dynamic-weight projection of x [B, T, D] with the parameters dw1 [D, G, C, K], qkw [G, C, K, 2I, M], dd
+        [D, G, C*M] by `dynamic_terms` (the factors [B*T, G, C, 2I+1, M]) where it may run: at most
         DECODE_MAX_QUERIES rows (batch x time), no gradient recorded (the operator has none), all float32 on CPU, not
         under autocast (whose products are in half precision), nothing being traced, and the kernel built here (or
-        building now); else None (`dcmha.projection_kernel`)."""
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
-            return None
-        if x.device.type != "cpu" or any(t.dtype != torch.float32 for t in (x, *weights)):
-            return None
-        if torch.is_autocast_enabled("cpu") or x.numel() > DECODE_MAX_QUERIES * x.shape[-1]:
+        building now); else None (`dcmha.projection_kernel`). Its checks are few and cheap: it runs at every
+        layer of every decode step, where each Python call costs microseconds (docs/performance.md, round 13)."""
+        D = x.shape[-1]
+        if x.numel() > DECODE_MAX_QUERIES * D or not x.is_cpu or x.dtype != torch.float32:
             return None  # more rows: ATen's batched products beat the operator's loop per row (docs/performance.md)
-        if torch.compiler.is_compiling():
+        if dw1.dtype != torch.float32 or qkw.dtype != torch.float32 or dd.dtype != torch.float32:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or dw1.requires_grad or qkw.requires_grad or dd.requires_grad):
+            return None
+        if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
             return None
         try:
             self.load()  # returns at once when built; a failed build is remembered and raises at once
         except RuntimeError:
             return None
-        return dynamic_terms
+        return dynamic_terms(x, dw1, dd, qkw, rank, eps)  # the operator views them 2-D itself
 
     def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
         if not inputs.composed:
             return "no composition (use_dcmha=False)"
-        if inputs.query.device.type != "cpu":
+        if not inputs.query.is_cpu:
             return f"it runs on CPU, not on {inputs.query.device.type}"
         if needs_grad(inputs) and output_attentions:
             return "it returns no gradient through the attention probabilities (output_attentions in training)"
@@ -284,12 +290,14 @@ def decode_attention(inputs: DCMHAInputs) -> torch.Tensor:
     B, N, T, S, Dh = inputs.shapes
     pad = inputs.key_padding_mask
     pad = None if pad is None else pad.to(torch.uint8).contiguous()
-    with operator_errors():
+    try:
         return torch.ops.dcformer.dcmha_decode(
             inputs.query, inputs.key, inputs.value, inputs.query_terms, inputs.key_terms, pad, inputs.query_start,
             inputs.key_start, inputs.window_size or 0, Dh**-0.5, inputs.rank, inputs.num_groups,
             runs_parallel(B * N * T * S) and B * inputs.num_groups > 1,
         )  # fmt: skip
+    except RuntimeError as err:
+        raise operator_error(err) from err
 
 
 class KernelCall(NamedTuple):
@@ -405,7 +413,7 @@ def register_fake() -> None:
     @torch.library.register_fake("dcformer::dynamic_terms")
     def _(x, dw1, dd, qkw, rank, eps, parallel):
         G, C, _, _, M = qkw.shape
-        return x.new_empty(x.shape[0], G, C, 2 * rank + 1, M)
+        return x.new_empty(x.numel() // x.shape[-1], G, C, 2 * rank + 1, M)
 
     register_fake.done = True
 
@@ -440,7 +448,13 @@ def operator_errors():
     try:
         yield
     except RuntimeError as err:
-        raise ValueError(f"DCMHA CPU kernel: {str(err).splitlines()[0]}") from err
+        raise operator_error(err) from err
+
+
+def operator_error(err: RuntimeError) -> ValueError:
+    """An operator's RuntimeError as `operator_errors` raises it (the inference operators, called at every decode
+    step, catch it themselves: a context manager is two more Python calls)."""
+    return ValueError(f"DCMHA CPU kernel: {str(err).splitlines()[0]}")
 
 
 def compose_softmax_compose(
@@ -509,9 +523,12 @@ def compose_softmax_compose_backward(
 
 def dynamic_terms(x: torch.Tensor, dw1: torch.Tensor, dd: torch.Tensor, qkw: torch.Tensor, rank: int,
                   eps: float) -> torch.Tensor:
-    """The dynamic-weight projection in one operator (inference: no gradient): x [R, D] (fp32, R = batch x time),
-    dw1 [D, G*C*K], dd [D, G*C*M] and qkw [G, C, K, 2I, M] give the factors [R, G, C, 2I+1, M] exactly as
-    `DynamicWeightProjection.forward` packs them (w1 RMS-normalised with `eps`, w2, tanh of the diagonal)."""
+    """The dynamic-weight projection in one operator (inference: no gradient): x [..., D] (fp32, R = batch x time
+    rows), dw1 [D, G*C*K], dd [D, G*C*M] (or the parameters as they are, [D, G, C, K] and [D, G, C*M]) and qkw
+    [G, C, K, 2I, M] give the factors [R, G, C, 2I+1, M] exactly as `DynamicWeightProjection.forward` packs them (w1
+    RMS-normalised with `eps`, w2, tanh of the diagonal)."""
     KERNEL.load()
-    with operator_errors():  # the operator checks its operands (fp32 CPU tensors of matching shapes)
+    try:  # the operator checks its operands (fp32 CPU tensors of matching shapes)
         return torch.ops.dcformer.dynamic_terms(x, dw1, dd, qkw, rank, eps, runs_parallel(x.shape[0] * qkw.numel()))
+    except RuntimeError as err:
+        raise operator_error(err) from err

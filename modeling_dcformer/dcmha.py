@@ -113,12 +113,12 @@ def dcmha_attention(inputs: DCMHAInputs, implementation: str = "auto", *, output
         return eager(inputs, output_attentions=output_attentions, recompute=recompute)
 
 
-def projection_kernel(implementation: str, x: torch.Tensor, *weights: torch.Tensor):
-    """The CPU kernel's one-call dynamic-weight projection (cpu_kernel's projection_operator) where allowed, or None."""
-    kernel = DCMHA_BACKENDS["kernel"]
-    if implementation not in ("auto", "kernel") or not isinstance(kernel, LazyBackend) or kernel.backend is kernel:
-        return None
-    return kernel.backend.projection_operator(x, *weights)
+def projection_kernel(implementation: str, x: torch.Tensor, *arguments):
+    """The dynamic-weight projection by the CPU kernel's one operator (cpu_kernel's `projection`: x, dw1, qkw, dd,
+    rank, eps) where allowed: the factors [B*T, G, C, 2I+1, M]; else None."""
+    kernel = DCMHA_BACKENDS["kernel"] if implementation in ("auto", "kernel") else None
+    project = getattr(kernel.backend, "projection", None) if isinstance(kernel, LazyBackend) else None
+    return None if project is None else project(x, *arguments)
 
 
 DCMHAInterface._global_mapping.update(

@@ -137,9 +137,8 @@ class DCMHAInputs:
         return not sees_all
 
     def time_last_terms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The factors with time last and contiguous: [B, G, 2, 2I+1, M, T] and [B, G, 2, 2I+1, M, S] (or None).
-        Computed once per call (a plain attribute, not functools.cached_property, whose lock torch.compile cannot
-        trace)."""
+        """The factors with time last and contiguous: [B, G, 2, 2I+1, M, T] and [B, G, 2, 2I+1, M, S] (or None). Once
+        per call (a plain attribute, not functools.cached_property, whose lock torch.compile cannot trace)."""
         if self._time_last is None:
             self._time_last = (time_last(self.query_terms), time_last(self.key_terms))
         return self._time_last

@@ -83,8 +83,7 @@ class DCFormerRotaryEmbedding(nn.Module):
     def __init__(self, config: DCFormerConfig):
         super().__init__()
         self.config = config
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters["rope_type"]
         default = self.rope_type == "default"
         rope_init_fn = self.compute_default_rope_parameters if default else ROPE_INIT_FUNCTIONS[self.rope_type]
@@ -107,17 +106,19 @@ class DCFormerRotaryEmbedding(nn.Module):
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling  # fp32, [B, T, rot]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, N, T, Dh]; cos/sin: [B, T, rot] (fp32). Rotates the first `rot` dims, in fp32."""
+def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk: the queries and keys [2, B, N, T, Dh] (a view); cos/sin: [B, T, rot] (fp32). Rotates the first `rot` dims
+    of both at once, in fp32; returns query and key, each its own contiguous [B, N, T, Dh] tensor."""
     rot = cos.shape[-1]
     if rot == 0:
-        return x
+        return qk[0], qk[1]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x_rot = x_rot if x.dtype == torch.float32 else x_rot.float()  # a cast is a dispatched op, even as a no-op
+    x_rot, x_pass = qk[..., :rot], qk[..., rot:]
+    x_rot = x_rot if qk.dtype == torch.float32 else x_rot.float()  # a cast is a dispatched op, even as a no-op
     half = rot // 2  # "rotate half": (x1, x2) -> (-x2, x1)
     x_rot = x_rot * cos + torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1) * sin
-    return torch.cat((x_rot if x_rot.dtype == x.dtype else x_rot.to(x.dtype), x_pass), dim=-1)
+    x_rot = x_rot if x_rot.dtype == qk.dtype else x_rot.to(qk.dtype)
+    return torch.cat((x_rot[0], x_pass[0]), dim=-1), torch.cat((x_rot[1], x_pass[1]), dim=-1)
 
 
 class DCFormerMLP(nn.Module):
@@ -190,13 +191,13 @@ class DynamicWeightProjection(nn.Module):
         """The factors [B, T, G, C, 2I+1, M] of x [B, T, D]; one kernel call where allowed (dcmha.projection_kernel)."""
         B, T, D = x.shape
         G, C, I, M = self.num_groups, self.num_slots, self.rank, self.heads_per_group
-        dw1, qkw, dd, K = self.dw1, self.qkw, self.dd, self.dw1.shape[-1]
-        if (fused := projection_kernel(implementation, x, dw1, qkw, dd)) is not None:
-            return fused(x.reshape(-1, D), dw1.view(D, -1), dd.view(D, -1), qkw, I, DW_RMS_EPS).view(B, T, G, C, -1, M)
+        dw1, qkw, dd = self.dw1, self.qkw, self.dd
+        if (terms := projection_kernel(implementation, x, dw1, qkw, dd, I, DW_RMS_EPS)) is not None:
+            return terms.view(B, T, G, C, -1, M)
         h, diag = self.input_products(x.reshape(B * T, D), kept)
         # bmm for the per-slot second layer (einsum's dispatch costs more than the products at a decode step)
         h = F.gelu(h)  # [BT, GCK]
-        w = torch.bmm(h.view(B * T, G * C, K).transpose(0, 1), qkw.to(x.dtype).view(G * C, K, 2 * I * M))
+        w = torch.bmm(h.view(B * T, G * C, -1).transpose(0, 1), qkw.to(x.dtype).view(G * C, -1, 2 * I * M))
         w = w.transpose(0, 1).reshape(B, T, G, C, 2 * I, M).float()  # [B, T, G, C, 2I, M]
         w1, w2 = w[..., :I, :], w[..., I:, :]
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + DW_RMS_EPS)
@@ -211,9 +212,11 @@ class DCFormerAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.head_dim
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.window_size = config.window_size if config.layer_types[layer_idx] == "sliding_attention" else None
+        # the structure, read once (a config attribute costs microseconds in a decode step); the rest at each call
+        self.use_qk_norm, self.use_dcmha, self.query_wise = config.use_qk_norm, config.use_dcmha, config.query_wise
+        self.rank, self.num_groups = config.dynamic_rank, config.num_head_groups
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
         if config.use_qk_norm:
@@ -226,25 +229,20 @@ class DCFormerAttention(nn.Module):
                 query_start: int = 0, padding_mask: torch.Tensor | None = None, cache: DCFormerCache | None = None,
                 output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, D = hidden_states.shape
-        N, Dh = self.num_heads, self.head_dim
-        qkv = self.qkv_proj(hidden_states).view(B, T, 3, N, Dh)
-        query, key, value = qkv.unbind(2)
-        if self.config.use_qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)  # [B, N, T, Dh]
+        qkv = self.qkv_proj(hidden_states).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qk, value = qkv.split((2, 1))  # [2, B, N, T, Dh], [1, B, N, T, Dh] (split: one gradient buffer, not two)
+        if self.use_qk_norm:
+            qk = torch.stack((self.q_norm(qk[0]), self.k_norm(qk[1])))
         # the values copied out of the q/k/v projection: a view would keep all three alive for the backward pass
-        value = value.transpose(1, 2).contiguous()
-        cos, sin = position_embeddings
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        query, key, value = *apply_rotary(qk, *position_embeddings), value[0].contiguous()
 
         query_terms = key_terms = None
-        if self.config.use_dcmha:
+        implementation = self.config.dcmha_implementation
+        if self.use_dcmha:
             kept = None if cache is None else cache.projection_weights.setdefault(self.layer_idx, {})
-            terms = self.dyn_w_proj(hidden_states, kept, self.config.dcmha_implementation)  # [B, T, G, C, 2I+1, M]
-            if self.config.query_wise:  # slots (pre-query, post-query)
-                query_terms, key_terms = terms, None
-            else:  # slots (pre-query, pre-key, post-query, post-key)
-                query_terms, key_terms = terms[:, :, :, 0::2], terms[:, :, :, 1::2]
+            terms = self.dyn_w_proj(hidden_states, kept, implementation)  # [B, T, G, C, 2I+1, M]
+            # slots (pre-query, post-query) if query-wise, else (pre-query, pre-key, post-query, post-key)
+            query_terms, key_terms = (terms, None) if self.query_wise else (terms[:, :, :, 0::2], terms[:, :, :, 1::2])
 
         key_start = query_start
         if cache is not None:
@@ -252,11 +250,10 @@ class DCFormerAttention(nn.Module):
         key_padding_mask = None if padding_mask is None else padding_mask[:, key_start : key_start + key.shape[2]]
         inputs = DCMHAInputs(query=query, key=key, value=value, query_terms=query_terms, key_terms=key_terms,
                              query_start=query_start, key_start=key_start, key_padding_mask=key_padding_mask,
-                             window_size=self.window_size, rank=self.config.dynamic_rank,
-                             num_groups=self.config.num_head_groups, chunk_size=self.config.attention_chunk_size)
-        recompute = self.config.attention_recompute and self.training and torch.is_grad_enabled()
-        out, probs = dcmha_attention(inputs, self.config.dcmha_implementation, output_attentions=output_attentions,
-                                     recompute=recompute)
+                             window_size=self.window_size, rank=self.rank, num_groups=self.num_groups,
+                             chunk_size=self.config.attention_chunk_size)
+        recompute = self.training and torch.is_grad_enabled() and self.config.attention_recompute
+        out, probs = dcmha_attention(inputs, implementation, output_attentions=output_attentions, recompute=recompute)
         return self.o_proj(out.reshape(B, T, D)), probs
 
 
@@ -449,8 +446,7 @@ class DCFormerModel(DCFormerPreTrainedModel):
             if not torch.compiler.is_compiling():
                 check_token_ids(input_ids, self.embed_tokens.num_embeddings)
             inputs_embeds = self.embed_tokens(input_ids)
-        B, T = inputs_embeds.shape[:2]
-        device = inputs_embeds.device
+        (B, T), device = inputs_embeds.shape[:2], inputs_embeds.device
 
         cache = check_cache(cache)  # a DCFormerCache, or None for an empty DynamicCache; refuses any other cache
         if use_cache and cache is None:
@@ -459,13 +455,9 @@ class DCFormerModel(DCFormerPreTrainedModel):
 
         padding_mask = None
         if attention_mask is not None:
-            if attention_mask.dim() != 2:
-                raise ValueError(f"attention_mask must be a 2D [batch, past + new tokens] padding mask, got shape "
-                                 f"{tuple(attention_mask.shape)}")
-            if attention_mask.shape != (B, past_length + T):
-                shape = tuple(attention_mask.shape)
-                raise ValueError(f"attention_mask has shape {shape} but the batch has {B} rows of {past_length} "
-                                 f"cached + {T} new tokens")
+            if attention_mask.shape != (B, past_length + T):  # a 2D padding mask [batch, past + new tokens]
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must be a 2D padding "
+                                 f"mask [batch, past + new tokens], here [{B}, {past_length} + {T}]")
             padding_mask = attention_mask.to(device=device, dtype=torch.bool)
             # a mask that pads nothing is dropped (no masked_fill per chunk), but only when running eagerly: under
             # torch.compile and torch.export a branch on its values cannot be traced, and the mask is applied
@@ -478,10 +470,8 @@ class DCFormerModel(DCFormerPreTrainedModel):
             else:
                 position_ids = torch.arange(past_length, past_length + T, device=device).unsqueeze(0).expand(B, T)
 
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
+        hidden_states, position_embeddings = inputs_embeds, self.rotary_emb(inputs_embeds, position_ids)
+        all_hidden_states, all_attentions = () if output_hidden_states else None, () if output_attentions else None
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
@@ -515,9 +505,8 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size: int,
                                       max_cache_length: int, *args, **kwargs):
-        """`generate()` starts from a `DCFormerCache` (keys, values and the keys' composition factors): growing, or
-        with `cache_implementation="static"` in buffers of `max_cache_len` (else the generation's max length)
-        tokens."""
+        """`generate()` starts from a `DCFormerCache` (keys, values and the keys' composition factors): growing, or with
+        `cache_implementation="static"` in buffers of `max_cache_len` (else the generation's max length) tokens."""
         implementation = generation_config.cache_implementation
         check_cache_implementation(implementation)
         if model_kwargs.get(CACHE_NAME) is not None and check_cache(model_kwargs[CACHE_NAME]) is None:

@@ -644,6 +644,11 @@ def test_dynamic_terms_operator_matches_oracle(G, C, K, I, M, R):
     rows = torch.randn(R, 2 * D, generator=gen)[:, 3 : 3 + D]  # the same rows, not contiguous with each other
     rows.copy_(x)
     torch.testing.assert_close(cpu_kernel.dynamic_terms(rows, dw1.view(D, -1), dd.view(D, -1), qkw, I, 1e-6), out)
+    # the parameters as the model holds them (dw1 [D, G, C, K], dd [D, G, C*M]) and x [batch, time, D]: viewed 2-D by
+    # the operator, the same factors
+    assert torch.equal(cpu_kernel.dynamic_terms(x.view(1, R, D), dw1, dd, qkw, I, 1e-6), out)
+    with pytest.raises(ValueError, match=r"dw1 \[D, \.\.\.\]"):
+        cpu_kernel.dynamic_terms(x, dw1.reshape(-1), dd, qkw, I, 1e-6)
     with pytest.raises(ValueError, match="do not match"):
         cpu_kernel.dynamic_terms(x, dw1.view(D, -1)[:, 1:], dd.view(D, -1), qkw, I, 1e-6)
     with pytest.raises(ValueError, match="2 \\* rank"):

@@ -43,3 +43,17 @@ def test_the_check_is_left_out_of_compiled_graphs(model):
     compiled = torch.compile(model.model, backend="eager", fullgraph=True)
     out = compiled(input_ids=torch.tensor([[0, VOCAB - 1]]), use_cache=False)
     assert out.last_hidden_state.shape == (1, 2, 32)
+
+
+def test_an_attention_mask_of_the_wrong_shape_is_named(model):
+    """A padding mask must be [batch, past + new tokens]: a 1D mask, a 3D one and one of the wrong length are each a
+    ValueError naming both shapes; the right one (also after a cache of 3 tokens) runs."""
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    for bad in (torch.ones(5, dtype=torch.long), torch.ones(2, 1, 5, dtype=torch.long), torch.ones(2, 4)):
+        with pytest.raises(ValueError, match=r"attention_mask has shape .* 2D padding mask .*here \[2, 0 \+ 5\]"):
+            model(ids, attention_mask=bad)
+    with torch.no_grad():
+        cache = model(ids[:, :3], attention_mask=torch.ones(2, 3), use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"here \[2, 3 \+ 2\]"):
+            model(ids[:, 3:], attention_mask=torch.ones(2, 2), past_key_values=cache)
+        model(ids[:, 3:], attention_mask=torch.ones(2, 5), past_key_values=cache)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from modeling_dcformer import DCFormerCache, DCFormerConfig, DCFormerForCausalLM, DCFormerModel, cpu_kernel
+from modeling_dcformer.cache_dcformer import DCFormerCacheLayer
 
 # Configurations the equivalence tests sweep: global only, local windows smaller than the sequences, the
 # query-wise ablation, qk-norm, head groups and the LLaMA-style body.
@@ -427,6 +428,89 @@ def test_cache_crop_select_and_reset(tiny_model):
         cache = local(ids[:, :4], use_cache=True).past_key_values
     with pytest.raises(ValueError):
         cache.crop(-1)
+
+
+def grow_layer(layer, steps, gen, B=2, N=3, Dh=4, terms_shape=(1, 2, 5, 3)):
+    """Feeds `layer` steps of the given token counts (random keys, values, key terms); returns each step's returned
+    tensors and the concatenation of everything fed so far (the oracle)."""
+    fed, out = [[], [], []], []
+    for t in steps:
+        new = (torch.randn(B, N, t, Dh, generator=gen), torch.randn(B, N, t, Dh, generator=gen),
+               torch.randn(B, t, *terms_shape, generator=gen))
+        for store, tensor in zip(fed, new):
+            store.append(tensor)
+        out.append((layer.update_dcmha(*new), [torch.cat(store, dim=2 if i < 2 else 1) for i, store in enumerate(fed)]))
+    return out
+
+
+def test_global_cache_layer_appends_in_place():
+    """A global layer writes each step's keys, values and key terms after the others in its storage (room for an
+    eighth and 64 more tokens), instead of copying the whole cache at each step as DynamicLayer does: over 160 tokens
+    it holds exactly what concatenation gives, after only 3 new storages; the prompt is stored exactly, copied where
+    it is a view (which would keep its base alive)."""
+    layer, gen = DCFormerCacheLayer(), torch.Generator().manual_seed(0)
+    steps = grow_layer(layer, [10] + [1] * 120 + [3] + [1] * 27, gen)
+    assert steps[-1][0][0] is layer.keys and steps[-1][0][2] is layer.key_terms
+    for returned, expected in steps:  # every step's tensors, the earlier ones too (nothing written over them)
+        for got, want in zip(returned, expected):
+            assert torch.equal(got, want)
+    storages = {returned[0].untyped_storage().data_ptr() for returned, _ in steps}
+    assert len(storages) == 4  # the prompt (exact), then room for 76, 150 and 233 tokens
+    first, base = DCFormerCacheLayer(), torch.randn(2, 2, 10, 4)
+    stored = first.update_dcmha(base[:, :, :5], base[:, :, 5:], None)[:2]  # views of a bigger tensor: copied
+    assert all(t.untyped_storage().nbytes() == t.numel() * 4 and torch.equal(t, base[:, :, i * 5 : i * 5 + 5])
+               for i, t in enumerate(stored))
+
+
+def test_global_cache_layer_copies_what_it_did_not_grow(monkeypatch):
+    """The other side of in-place appends: after a crop or a batch selection, or with storage the layer did not make
+    (a view of a bigger tensor, whose rest belongs to someone else), the tokens are copied to new storage and that
+    rest is never written; with autograd recording, or in a traced call (torch.compile), the layer concatenates."""
+    gen = torch.Generator().manual_seed(1)
+    layer = DCFormerCacheLayer()
+    grow_layer(layer, [6, 1, 1], gen)
+    layer.crop(-3)
+    kept = [t.clone() for t in (layer.keys, layer.values, layer.key_terms)]
+    (returned, _), = grow_layer(layer, [2], gen)
+    assert torch.equal(returned[0][:, :, :5], kept[0]) and torch.equal(returned[2][:, :5], kept[2])
+    layer.batch_select_indices(torch.tensor([1]))
+    before = layer.keys.clone()
+    (returned, _), = grow_layer(layer, [1], gen, B=1)
+    assert torch.equal(returned[0][:, :, :-1], before)
+
+    other = DCFormerCacheLayer()
+    grow_layer(other, [4], gen)
+    big = torch.zeros(2, 3, 100, 4)
+    other.keys = big[:, :, :4].copy_(other.keys)  # room after it, but not the layer's to write
+    grow_layer(other, [1, 1], gen)
+    assert torch.count_nonzero(big[:, :, 4:]) == 0 and other.keys.shape[2] == 6
+
+    # with autograd recording (training through a cache): concatenated, and each step's gradient reaches its keys
+    keys = [torch.randn(1, 2, t, 4, requires_grad=True) for t in (3, 1, 1)]
+    grad_layer, loss = DCFormerCacheLayer(), 0
+    for key in keys:  # squares: autograd saves each step's keys, which a later in-place write would change
+        loss = loss + grad_layer.update_dcmha(key, key.detach(), None)[0].square().sum()
+    loss.backward()
+    for key, steps in zip(keys, (3, 2, 1)):  # a step's keys are in its own and every later step's cache
+        torch.testing.assert_close(key.grad, 2 * steps * key.detach())
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for returned, expected in grow_layer(DCFormerCacheLayer(), [4, 1, 1], gen):
+        assert all(torch.equal(got, want) for got, want in zip(returned, expected))
+        assert returned[0].untyped_storage().nbytes() == returned[0].numel() * 4  # concatenated: no room
+
+
+def test_long_cached_decoding_matches_full_forward(tiny_model):
+    """80 single-token steps after a prompt of 5 (past two new storages of the global layers, a local layer beside
+    them): the last logits are the full forward's."""
+    model = tiny_model(window_size=3, window_type="LG", num_hidden_layers=2)
+    ids = rand_ids(2, 85, seed=3)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :5], use_cache=True).past_key_values
+        for i in range(5, 85):
+            step = model(ids[:, i : i + 1], past_key_values=cache).logits
+    torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("body", ["global", "LG-w3", "LG-w3-qknorm-groups2-llama"])

@@ -663,10 +663,11 @@ static void compose_softmax_compose_backward_(const at::Tensor &raw, const at::T
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
-   The dynamic-weight projection (spec, step 5) for inference, in one call: dcformer::dynamic_terms. x [R, D]
-   (R = batch x time), dw1 [D, G*C*K] and dd [D, G*C*M] (the parameters' own layout, viewed 2-D) and qkw
-   [G, C, K, 2I, M] give, per row, group g and slot c, the factors [w1; w2; dd] [2I+1, M] packed as
-   DynamicWeightProjection's forward packs them:
+   The dynamic-weight projection (spec, step 5) for inference, in one call: dcformer::dynamic_terms. x [..., D]
+   (R = batch x time rows), dw1 [D, G*C*K] and dd [D, G*C*M] (the parameters, dw1 [D, G, C, K] and dd [D, G, C*M],
+   are taken as they are and viewed 2-D here: at a decode step each view in Python costs microseconds) and qkw
+   [G, C, K, 2I, M] give, per row, group g and slot c, the factors [w1; w2; dd] [2I+1, M], [R, G, C, 2I+1, M], packed
+   as DynamicWeightProjection's forward packs them:
        h = x @ dw1,  [w1; w2] = gelu(h[g, c]) @ qkw[g, c],  w1's rows RMS-normalised over M (eps),
        dd = tanh((x @ dd)[g, c]).
    The two products are the operator's own up to FEW_ROWS rows (a decode step: they stream the weights from memory
@@ -688,13 +689,18 @@ static void few_rows_times(const float *x, int64_t x_stride, int64_t R, const fl
     }
 }
 
-static at::Tensor dynamic_terms(const at::Tensor &x, const at::Tensor &dw1, const at::Tensor &dd, const at::Tensor &qkw,
-                                int64_t rank, double eps, bool parallel) {
+static at::Tensor dynamic_terms(const at::Tensor &x_in, const at::Tensor &dw1_in, const at::Tensor &dd_in,
+                                const at::Tensor &qkw, int64_t rank, double eps, bool parallel) {
     auto check_2d = [](const at::Tensor &t, const char *name) {
         TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2,
-                    "the dynamic-weight projection's operator takes 2-D float32 CPU tensors; ", name, " ", t.sizes(),
-                    " is not");
+                    "the dynamic-weight projection's operator takes float32 CPU tensors x [..., D], dw1 [D, ...] and "
+                    "dd [D, ...]; ", name, " ", t.sizes(), " is not");
     };
+    auto flat = [](const at::Tensor &t, bool rows) {  // x as [R, D], a parameter as [D, N]
+        if (t.dim() == 2 || t.dim() == 0 || (!rows && t.dim() == 1)) return t;
+        return rows ? t.reshape({-1, t.size(-1)}) : t.reshape({t.size(0), -1});
+    };
+    const at::Tensor x = flat(x_in, true), dw1 = flat(dw1_in, false), dd = flat(dd_in, false);
     check_2d(x, "x");
     check_2d(dw1, "dw1");
     check_2d(dd, "dd");
