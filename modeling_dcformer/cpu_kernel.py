@@ -528,7 +528,8 @@ def dynamic_terms(x: torch.Tensor, dw1: torch.Tensor, dd: torch.Tensor, qkw: tor
     [G, C, K, 2I, M] give the factors [R, G, C, 2I+1, M] exactly as `DynamicWeightProjection.forward` packs them (w1
     RMS-normalised with `eps`, w2, tanh of the diagonal)."""
     KERNEL.load()
+    parallel = runs_parallel(x.numel() // x.shape[-1] * qkw.numel())  # rows (batch x time, x may be 3-D) x weights
     try:  # the operator checks its operands (fp32 CPU tensors of matching shapes)
-        return torch.ops.dcformer.dynamic_terms(x, dw1, dd, qkw, rank, eps, runs_parallel(x.shape[0] * qkw.numel()))
+        return torch.ops.dcformer.dynamic_terms(x, dw1, dd, qkw, rank, eps, parallel)
     except RuntimeError as err:
         raise operator_error(err) from err
