@@ -16,11 +16,14 @@ with a trailing comment, so that it builds anew) to see this machine's noise bet
 percent of 1.00 are noise. The chunk shape is batch x heads x queries x keys, one group, rank 2, causal, the chunk
 at the end of the keys (as a training step's last chunk). The forward operator gets the scores laid out as the
 model lays them out (`--layout staggered`, `cpu_kernel.score_layout`) or contiguous (`--layout contiguous`, what
-sources before round 12 take); a variant's own `@layout` suffix overrides it (`old.cpp@contiguous`).
+sources before round 12 take); a variant's own `@layout` suffix overrides it (`old.cpp@contiguous`), and
+`@staggeredN` lays the heads N floats apart modulo 4 KiB instead of `cpu_kernel.HEAD_STAGGER`, for a source whose
+block stride is N (`old.cpp@staggered136`: sources before round 15).
 
     python benchmarks/ab_kernel_source.py modeling_dcformer/csrc/dcmha_cpu.cpp /tmp/variant.cpp
     python benchmarks/ab_kernel_source.py a.cpp a.cpp:-DBWD_ROWS=32 --shapes 1x12x64x1024,16x8x64x128 --repeats 9
     python benchmarks/ab_kernel_source.py /tmp/old.cpp@contiguous modeling_dcformer/csrc/dcmha_cpu.cpp
+    python benchmarks/ab_kernel_source.py /tmp/round14.cpp@staggered136 modeling_dcformer/csrc/dcmha_cpu.cpp
 """
 
 from __future__ import annotations
@@ -41,18 +44,28 @@ RANK = 2
 LAYOUTS = ("staggered", "contiguous")  # of the forward operator's scores: the model's (score_layout), or contiguous
 
 
+def is_layout(name: str) -> bool:
+    """One of LAYOUTS, or `staggeredN`: the model's layout with the heads N floats apart modulo 4 KiB (0 < N < 1024)."""
+    stagger = re.fullmatch(r"staggered(\d+)", name)
+    return name in LAYOUTS or bool(stagger and 0 < int(stagger.group(1)) < 1024)
+
+
 def split_layout(spec: str) -> tuple[str, str | None]:
     """A variant `path[:flags][@layout]` as (`path[:flags]`, the layout or None). Only a layout's name ends it: any
     other `@...` stays part of the path (a path with no such file is then `build`'s clear error)."""
     source, _, layout = spec.rpartition("@")
-    return (source, layout) if source and layout in LAYOUTS else (spec, None)
+    return (source, layout) if source and is_layout(layout) else (spec, None)
 
 
 def laid_out(raw: torch.Tensor, layout: str) -> torch.Tensor:
     """A copy of the chunk's scores [B, N, c, s] in `layout`."""
     if layout == "contiguous":
         return raw.clone()
-    size, strides = cpu_kernel.score_layout(*raw.shape)
+    B, N, c, s = raw.shape
+    size, strides = cpu_kernel.score_layout(B, N, c, s)
+    if layout != "staggered":  # staggeredN: score_layout's arithmetic with a stagger of N
+        head = -(-c * s // 1024) * 1024 + int(layout[len("staggered"):])
+        size, strides = B * N * head, (N * head, head, s, 1)
     scores = torch.empty(size).as_strided(raw.shape, strides)
     return scores.copy_(raw)
 

@@ -520,7 +520,8 @@ def load_average() -> str:
 
 def environment(args) -> str:
     return (f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}, "
-            f"{platform.machine()} CPU, {os.cpu_count()} cores visible, {args.threads} torch "
+            f"{platform.machine()} CPU ({torch.backends.cpu.get_cpu_capability()}), "
+            f"{os.cpu_count()} cores visible, {args.threads} torch "
             f"thread{'s' if args.threads > 1 else ''}, {args.dtype}")
 
 

@@ -203,8 +203,8 @@ class PartTimer:
         header += "".join(f"{n + '-' + first:>16}" for n in names[1:])
         lines = [header]
         for part in rows:
-            cells = "".join(f"{per_run[n].get(part, 0.0):10.3f}" for n in names)
-            cells += "".join(f"{per_run[n].get(part, 0.0) - per_run[first].get(part, 0.0):+16.3f}" for n in names[1:])
+            cells = "".join(f"{per_run[n].get(part, 0.0):10.4f}" for n in names)
+            cells += "".join(f"{per_run[n].get(part, 0.0) - per_run[first].get(part, 0.0):+16.4f}" for n in names[1:])
             lines.append(f"    {part:<42}{cells}")
         return "\n".join(lines)
 

@@ -50,7 +50,7 @@ KERNEL_CHUNK_QUERIES = 64
 # a chunk's scores are laid out so that one head's rows start this many floats after the previous head's, modulo
 # 4 KiB (1,024 floats): the operator's block stride (STRIDE in csrc/dcmha_cpu.cpp), where its Compose works on the
 # scores in place instead of on copies (`score_layout`)
-HEAD_STAGGER = 136
+HEAD_STAGGER = 144
 _parallel_pid: int | None = None  # the process whose thread pool the kernel has used
 
 
@@ -428,6 +428,13 @@ def available() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def vector_width() -> int:
+    """The floats the kernel's Compose works on at once: 16 where it was built for AVX-512 (`-march=native` on such a
+    CPU), 8 otherwise (builds it if need be)."""
+    KERNEL.load()
+    return int(torch.ops.dcformer.vector_width())
 
 
 def checked_operands(rank: int, key_padding_mask: torch.Tensor | None, **tensors: torch.Tensor | None):

@@ -16,6 +16,16 @@ if not torch.cuda.is_available():
 import modeling_dcformer  # noqa: E402,F401  (registers model_type "dcformer" with the Auto classes)
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
 
+# The CPU kernel built with extra compiler flags (before anything loads it): test_cpu_kernel.py's
+# test_the_8_wide_build_matches_the_oracle_too runs the oracle tests with "-mno-avx512f" on an AVX-512 CPU, so that
+# the AVX2 CPUs' build is tested on the machines whose native build is the AVX-512 one.
+if os.environ.get("DCFORMER_TEST_KERNEL_CFLAGS"):
+    from modeling_dcformer import cpu_kernel
+
+    cpu_kernel.KERNEL = cpu_kernel.CPUKernelBackend(
+        cflags=[*cpu_kernel.CFLAGS, *os.environ["DCFORMER_TEST_KERNEL_CFLAGS"].split()]
+    )
+
 TINY = dict(
     vocab_size=100,
     hidden_size=32,

@@ -107,6 +107,15 @@ def assert_close(actual, expected, atol=ATOL, rtol=RTOL):
     torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
 
 
+def assert_close_to_scale(actual, expected, rel=1e-5):
+    """`actual` equals `expected` within `rel` of expected's largest magnitude (and `rel` of each value): the
+    comparison for float32 gradients that are sums of many terms, whose rounding scales with the tensor's largest
+    values, not with each element (an element that cancels to 0.3 among values of 100 carries their rounding)."""
+    expected = expected.double()
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(actual.double(), expected, atol=rel * max(scale, 1.0), rtol=rel)
+
+
 def max_diff(a, b) -> float:
     return (a.double() - b.double()).abs().max().item()
 

@@ -325,6 +325,9 @@ def test_ab_kernel_source_renames_every_registration_and_parses_shapes(ab_kernel
     assert ab_kernel.split_layout("a@b.cpp:-O2@contiguous") == ("a@b.cpp:-O2", "contiguous")
     assert ab_kernel.split_layout("a.cpp:-O2") == ("a.cpp:-O2", None)
     assert ab_kernel.split_layout("dir@2/a.cpp") == ("dir@2/a.cpp", None)  # not a layout: part of the path
+    assert ab_kernel.split_layout("a.cpp@staggered136") == ("a.cpp", "staggered136")
+    for not_a_layout in ("a.cpp@staggered0", "a.cpp@staggered1024", "a.cpp@staggeredx"):
+        assert ab_kernel.split_layout(not_a_layout) == (not_a_layout, None)
     with pytest.raises(FileNotFoundError, match="a.cpp@transposed"):
         ab_kernel.build(ab_kernel.split_layout("/nonexistent/a.cpp@transposed")[0], Path("/tmp"))
 
@@ -355,8 +358,12 @@ def test_ab_kernel_source_times_variants_and_flags_one_that_computes_something_e
         assert (row["backward_difference"] > 0.1) == (row["variant"] == "broken"), row
     assert all(r["forward_ratio"] == 1.0 and r["backward_ratio"] == 1.0 for r in rows if r["variant"] == "a")
     # the forward operator's scores in the model's layout or contiguous: the same numbers
-    both = ab_kernel.compare([("model", ops), ("contiguous", ops, "contiguous")], [(1, 3, 4, 40)], 1)
-    assert [r["forward_difference"] for r in both] == [0.0, 0.0]
+    both = ab_kernel.compare([("model", ops), ("contiguous", ops, "contiguous"), ("other", ops, "staggered136")],
+                             [(1, 3, 4, 40)], 1)  # fmt: skip
+    assert [r["forward_difference"] for r in both] == [0.0, 0.0, 0.0]
+    raw = torch.randn(2, 3, 4, 40)
+    other = ab_kernel.laid_out(raw, "staggered136")
+    assert torch.equal(other, raw) and other.stride(1) % 1024 == 136 and other.stride(3) == 1
     ab_kernel.print_rows(rows)
     out = capsys.readouterr().out
     assert out.count("\n| 1x2x3x20 |") == 3 and "| `broken` |" in out

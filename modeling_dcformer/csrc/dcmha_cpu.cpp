@@ -16,12 +16,14 @@
 #include <vector>
 
 #define BLOCK 128      /* keys per block: the rows of a tile share the block's key factors, copied to L1 */
-/* Floats from one row of a block buffer to the next: BLOCK + 8. Rows a power of two apart (512 bytes) would put
+/* Floats from one row of a block buffer to the next: BLOCK + 16. Rows a power of two apart (512 bytes) would put
    every eighth row at the same address modulo 4 KiB, and a load whose address matches a recent store's low 12
    bits waits for that store to retire (4K aliasing): Compose stores each head's output while it loads the others'
-   inputs and the key factors. With the 32-byte offset a row, the forward operator took 0.74-0.80x its time at 16
-   and 32 heads a group, about the same at 4-12 (docs/performance.md, round 10). */
-#define STRIDE (BLOCK + 8)
+   inputs and the key factors. With an offset a row, the forward operator took 0.74-0.80x its time at 16 and 32
+   heads a group, about the same at 4-12 (docs/performance.md, round 10). The offset is one 64-byte cache line (it
+   was 32 bytes until round 15): with the buffers on a line's start, a 16-float vector of any row never straddles
+   two lines. */
+#define STRIDE (BLOCK + 16)
 #define MAX_RANK 8
 #define MAX_HEADS 256  /* heads per group the backward pass supports */
 #define FEW_ROWS 4     /* the dynamic-weight projection's products are the operator's own up to this many rows */
@@ -46,19 +48,39 @@ static inline float exp_nonpos(float x) {
 #define VW 16  /* lanes of a row's running maximum; a block's keys are rounded up to a multiple of it */
 
 /* Asks for the n floats at p in the cache (one request per 64-byte line) */
+/* A buffer of n floats whose first lies on a 64-byte cache line (vectors loaded from it never straddle two lines) */
+struct AlignedFloats {
+    std::vector<float> storage;
+    float *data;
+    explicit AlignedFloats(size_t n) : storage(n + 16) {
+        data = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+    }
+};
+
 static inline void prefetch_span(const float *p, int n) {
     for (int j = 0; j < n; j += 16) __builtin_prefetch(p + j, 1, 3);
 }
 
-/* 8 floats: one AVX register. Compose keeps its hidden values in registers, so it works on 8 keys at a time (16-float
-   vectors, two AVX registers each, made the compiler spill them to the stack). */
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t vi8 __attribute__((vector_size(32)));
-#define V8 8
-static inline v8 load8(const float *p) { v8 v; __builtin_memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+/* One vector register of VL floats: 16 (AVX-512) where the compiler targets AVX-512 (-march=native on such a CPU),
+   else 8 (AVX). Compose keeps its hidden values in registers, so it works on VL keys at a time (on AVX2, 16-float
+   vectors, two registers each, made the compiler spill them to the stack; AVX-512 has 32 registers of 16). On an
+   AVX-512 CPU the 16-float vectors (with the buffers on cache lines) took the forward operator to 0.73-0.83x its
+   time and the backward to 0.83-0.96x (docs/performance.md, round 15). */
+#if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+#define VL 16
+static const vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+#define VL 8
+static const vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+static inline vf loadv(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
-/* One Compose (spec, step 6) of 8 keys j..j+7 of one query row, the one both operators use. The M heads' values
+/* One Compose (spec, step 6) of VL keys j..j+VL-1 of one query row, the one both operators use. The M heads' values
    x[n] = a[n][j] * sc[n] (a: [M][stride]; sc: the scale or the softmax's 1 / sum of each head, or NULL for 1) give
        out[m] = x[m] (1 + qdd[m]) + sum_i hq_i qw2[i][m] + x[m] kdd[m][j] + sum_i hk_i[j] kw2[i][m][j]
    where hq_i = sum_n x[n] qw1[i][n] and hk_i[j] = sum_n x[n] kw1[i][n][j]. q: the row's query factors [2I+1][M];
@@ -66,25 +88,25 @@ static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
    order, after every head's input is read (so it may write over a). The hidden values stay in registers: each
    score is read twice. Inlined with M and I constant where they can be (the loops unroll). */
 template <typename Store>
-static inline __attribute__((always_inline)) void compose8(const float *a, int64_t stride, int j, const int M,
+static inline __attribute__((always_inline)) void compose_vec(const float *a, int64_t stride, int j, const int M,
                                                            const int I, const float *q, const float *k, int kstride,
                                                            const float *sc, Store store) {
-    v8 hq[MAX_RANK], hk[MAX_RANK];
-    for (int i = 0; i < I; i++) hq[i] = hk[i] = v8{};
+    vf hq[MAX_RANK], hk[MAX_RANK];
+    for (int i = 0; i < I; i++) hq[i] = hk[i] = vf{};
     for (int n = 0; n < M; n++) {
-        const v8 x = sc ? load8(a + n * stride + j) * sc[n] : load8(a + n * stride + j);
+        const vf x = sc ? loadv(a + n * stride + j) * sc[n] : loadv(a + n * stride + j);
         for (int i = 0; i < I; i++) {
             hq[i] += x * q[i * M + n];
-            if (k) hk[i] += x * load8(k + (i * M + n) * kstride + j);
+            if (k) hk[i] += x * loadv(k + (i * M + n) * kstride + j);
         }
     }
     for (int m = 0; m < M; m++) {
-        const v8 x = sc ? load8(a + m * stride + j) * sc[m] : load8(a + m * stride + j);
-        v8 out = x * (1.0f + q[2 * I * M + m]);
+        const vf x = sc ? loadv(a + m * stride + j) * sc[m] : loadv(a + m * stride + j);
+        vf out = x * (1.0f + q[2 * I * M + m]);
         for (int i = 0; i < I; i++) out += hq[i] * q[(I + i) * M + m];
         if (k) {
-            out += x * load8(k + (2 * I * M + m) * kstride + j);
-            for (int i = 0; i < I; i++) out += hk[i] * load8(k + ((I + i) * M + m) * kstride + j);
+            out += x * loadv(k + (2 * I * M + m) * kstride + j);
+            for (int i = 0; i < I; i++) out += hk[i] * loadv(k + ((I + i) * M + m) * kstride + j);
         }
         store(m, out);
     }
@@ -108,33 +130,33 @@ static inline __attribute__((always_inline)) void compose8(const float *a, int64
 
 /* Compose in place on the keys [0, L) of a block (a: head m's keys at a + m * astride, L a multiple of 16; k: the
    block's key factors [2I+1][M][STRIDE] or NULL), with keys outside [lo, hi) or padding (pad[j] == 0, where pad)
-   set to `fill`; mx, where given, each head's running maximum in 16 lanes ([M][16]; keys j..j+7 update lanes
+   set to `fill`; mx, where given, each head's running maximum in 16 lanes ([M][16]; keys j..j+VL-1 update lanes
    j % 16 ..). Compiled apart with and without key-wise factors and masked keys. */
 static void compose_block(float *a, int64_t astride, int L, int M, int I, const float *q, const float *k,
                           const float *sc, int lo, int hi, const uint8_t *pad, float fill, float *mx) {
     const int masked = lo > 0 || hi < L || pad;
-    const vi8 fillv = (vi8)(v8{} + fill);
+    const vi fillv = (vi)(vf{} + fill);
 #define COMPOSE_LOOP(HEADS, RANK, K, MASKED)                                                        \
-    for (int j = 0; j < L; j += V8) {                                                               \
-        vi8 keep = {0};                                                                             \
+    for (int j = 0; j < L; j += VL) {                                                               \
+        vi keep = {0};                                                                             \
         if (MASKED) {                                                                               \
-            const vi8 idx = vi8{0, 1, 2, 3, 4, 5, 6, 7} + j;                                        \
+            const vi idx = IOTA + j;                                                  \
             keep = (idx >= lo) & (idx < hi);                                                        \
             if (pad) {                                                                              \
-                vi8 p;                                                                              \
-                for (int l = 0; l < V8; l++) p[l] = pad[j + l];                                     \
+                vi p;                                                                              \
+                for (int l = 0; l < VL; l++) p[l] = pad[j + l];                                     \
                 keep &= p != 0;                                                                     \
             }                                                                                       \
         }                                                                                           \
-        compose8(a, astride, j, HEADS, RANK, q, K, STRIDE, sc, [&](int m, v8 out) {                  \
-            if (MASKED) out = (v8)(((vi8)out & keep) | (fillv & ~keep));                            \
+        compose_vec(a, astride, j, HEADS, RANK, q, K, STRIDE, sc, [&](int m, vf out) {                  \
+            if (MASKED) out = (vf)(((vi)out & keep) | (fillv & ~keep));                            \
             if (mx) {                                                                               \
                 float *lane = mx + m * VW + (j & (VW - 1));                                         \
-                const v8 top = load8(lane);                                                         \
-                const vi8 up = out > top;                                                           \
-                store8(lane, (v8)(((vi8)out & up) | ((vi8)top & ~up)));                             \
+                const vf top = loadv(lane);                                                         \
+                const vi up = out > top;                                                           \
+                storev(lane, (vf)(((vi)out & up) | ((vi)top & ~up)));                             \
             }                                                                                       \
-            store8(a + m * astride + j, out);                                                       \
+            storev(a + m * astride + j, out);                                                       \
         });                                                                                         \
     }
 #define COMPOSE_KM(HEADS, RANK)                                                          \
@@ -211,11 +233,10 @@ static void dcmha_tile(float *scores, ScoreLayout lay, int G, int M, int c, int 
     const int64_t b = bg / G;
     /* per row and head: 1 / sum of the softmax; the scale; a block of scores, of key factors; the query factors of
        each row; per row and head, the running max of the composed scores (16 lanes) */
-    std::vector<float> buffer((size_t)(R + 1) * M + (size_t)(1 + W) * M * STRIDE + (size_t)R * W * M);
-    std::vector<float> maxima((size_t)VW * R * M);
-    float *sc = buffer.data(), *mx = maxima.data();
-    float *pre = sc + (size_t)R * M, *xb = pre + M, *kb = xb + (size_t)M * STRIDE;
-    float *qb = kb + (size_t)W * M * STRIDE;
+    AlignedFloats buffer((size_t)(1 + W) * M * STRIDE + (size_t)(R + 1) * M + (size_t)R * W * M);
+    AlignedFloats maxima((size_t)VW * R * M);
+    float *xb = buffer.data, *kb = xb + (size_t)M * STRIDE, *mx = maxima.data;
+    float *sc = kb + (size_t)W * M * STRIDE, *pre = sc + (size_t)R * M, *qb = pre + M;
     uint8_t pb[BLOCK];  /* the block's padding bytes */
     for (int n = 0; n < M; n++) pre[n] = scale;
     /* head n, row r: base + n * head + r * row */
@@ -378,55 +399,55 @@ static void compose_softmax_compose_(const at::Tensor &scores, const at::Tensor 
    row's forward pass from the raw q.k scores (Compose before the softmax, mask, softmax, Compose after it: the
    probabilities, returned for the values' gradient), then takes the gradient of the probabilities back through
    Compose after the softmax, the softmax and Compose before it. A row's M x s values stay in the core's cache; each
-   Compose and its gradient work on 8 keys at a time with the hidden values and their gradients in registers; the
-   row's factor gradients are summed in 8 lanes, the keys' factor gradients (summed over the rows) in a buffer. */
+   Compose and its gradient work on VL keys at a time with the hidden values and their gradients in registers; the
+   row's factor gradients are summed in VL lanes, the keys' factor gradients (summed over the rows) in a buffer. */
 
-/* max_j x[j] over n values (8 lanes, so that the loop vectorises), -FLT_MAX when n is 0 */
+/* max_j x[j] over n values (VL lanes, so that the loop vectorises), -FLT_MAX when n is 0 */
 static inline float maximum(const float *__restrict__ x, int n) {
-    v8 top = v8{} - FLT_MAX;
+    vf top = vf{} - FLT_MAX;
     int j = 0;
-    for (; j + V8 <= n; j += V8) {
-        const v8 y = load8(x + j);
+    for (; j + VL <= n; j += VL) {
+        const vf y = loadv(x + j);
         top = y > top ? y : top;
     }
     float m = -FLT_MAX;
-    for (int l = 0; l < V8; l++) m = top[l] > m ? top[l] : m;
+    for (int l = 0; l < VL; l++) m = top[l] > m ? top[l] : m;
     for (; j < n; j++) m = x[j] > m ? x[j] : m;
     return m;
 }
 
 /* sum_j x[j] over n values, n a multiple of 16 */
 static inline float total(const float *__restrict__ x, int n) {
-    v8 acc = v8{};
-    for (int j = 0; j < n; j += V8) acc += load8(x + j);
+    vf acc = vf{};
+    for (int j = 0; j < n; j += VL) acc += loadv(x + j);
     float sum = 0.0f;
-    for (int l = 0; l < V8; l++) sum += acc[l];
+    for (int l = 0; l < VL; l++) sum += acc[l];
     return sum;
 }
 
-/* The gradient of Compose (compose8 without scale) for keys j..j+7 of one row: given the input a and the
+/* The gradient of Compose (compose_vec without scale) for keys j..j+VL-1 of one row: given the input a and the
    output's gradient g ([M][sv]), writes
-   the input's gradient da; adds the row's factor gradients to dq ([W][M] accumulators of 8 lanes) and the keys'
+   the input's gradient da; adds the row's factor gradients to dq ([W][M] accumulators of VL lanes) and the keys'
    to dk (laid out like k). */
-static inline __attribute__((always_inline)) void compose8_backward(
+static inline __attribute__((always_inline)) void compose_vec_backward(
         const float *__restrict__ a, const float *__restrict__ g, float *__restrict__ da, int sv, int j, int M, int I,
-        const float *q, const float *k, v8 *__restrict__ dq, float *__restrict__ dk) {
-    v8 hq[MAX_RANK], hk[MAX_RANK], gq[MAX_RANK], gk[MAX_RANK];  /* hidden values and their gradients */
-    for (int i = 0; i < I; i++) hq[i] = hk[i] = gq[i] = gk[i] = v8{};
+        const float *q, const float *k, vf *__restrict__ dq, float *__restrict__ dk) {
+    vf hq[MAX_RANK], hk[MAX_RANK], gq[MAX_RANK], gk[MAX_RANK];  /* hidden values and their gradients */
+    for (int i = 0; i < I; i++) hq[i] = hk[i] = gq[i] = gk[i] = vf{};
     for (int n = 0; n < M; n++) {
-        const v8 x = load8(a + n * sv + j), y = load8(g + n * sv + j);
+        const vf x = loadv(a + n * sv + j), y = loadv(g + n * sv + j);
         for (int i = 0; i < I; i++) {
             hq[i] += x * q[i * M + n];
             gq[i] += y * q[(I + i) * M + n];
             if (k) {
-                hk[i] += x * load8(k + (i * M + n) * sv + j);
-                gk[i] += y * load8(k + ((I + i) * M + n) * sv + j);
+                hk[i] += x * loadv(k + (i * M + n) * sv + j);
+                gk[i] += y * loadv(k + ((I + i) * M + n) * sv + j);
             }
         }
     }
     for (int n = 0; n < M; n++) {
-        const v8 x = load8(a + n * sv + j), y = load8(g + n * sv + j);
-        v8 d = y * (1.0f + q[2 * I * M + n]);
+        const vf x = loadv(a + n * sv + j), y = loadv(g + n * sv + j);
+        vf d = y * (1.0f + q[2 * I * M + n]);
         dq[2 * I * M + n] += y * x;
         for (int i = 0; i < I; i++) {
             d += gq[i] * q[i * M + n];
@@ -434,27 +455,27 @@ static inline __attribute__((always_inline)) void compose8_backward(
             dq[(I + i) * M + n] += y * hq[i];
         }
         if (k) {
-            d += y * load8(k + (2 * I * M + n) * sv + j);
+            d += y * loadv(k + (2 * I * M + n) * sv + j);
             float *dd = dk + (2 * I * M + n) * sv + j;
-            store8(dd, load8(dd) + y * x);
+            storev(dd, loadv(dd) + y * x);
             for (int i = 0; i < I; i++) {
-                d += gk[i] * load8(k + (i * M + n) * sv + j);
+                d += gk[i] * loadv(k + (i * M + n) * sv + j);
                 float *w1 = dk + (i * M + n) * sv + j, *w2 = dk + ((I + i) * M + n) * sv + j;
-                store8(w1, load8(w1) + gk[i] * x);
-                store8(w2, load8(w2) + y * hk[i]);
+                storev(w1, loadv(w1) + gk[i] * x);
+                storev(w2, loadv(w2) + y * hk[i]);
             }
         }
-        store8(da + n * sv + j, d);
+        storev(da + n * sv + j, d);
     }
 }
 
 /* Compose and its gradient over the first len keys of a row (len a multiple of 16): a, out, g, da [M][sv], q
-   [2I+1][M] the row's factors, k [2I+1][M][sv] the keys' or NULL; dq, dk as compose8_backward's. */
+   [2I+1][M] the row's factors, k [2I+1][M][sv] the keys' or NULL; dq, dk as compose_vec_backward's. */
 static void compose_row(const float *a, float *out, int len, int sv, int M, int I, const float *q, const float *k) {
 #define ROW(HEADS, RANK, K)                                                                    \
-    for (int j = 0; j < len; j += V8)                                                          \
-        compose8(a, sv, j, HEADS, RANK, q, K, sv, static_cast<const float *>(nullptr),         \
-                 [&](int m, v8 o) { store8(out + m * sv + j, o); })
+    for (int j = 0; j < len; j += VL)                                                          \
+        compose_vec(a, sv, j, HEADS, RANK, q, K, sv, static_cast<const float *>(nullptr),         \
+                 [&](int m, vf o) { storev(out + m * sv + j, o); })
 #define ROW_K(HEADS, RANK) if (k) ROW(HEADS, RANK, k); else ROW(HEADS, RANK, static_cast<const float *>(nullptr));
     DISPATCH_SHAPES(ROW_K)
 #undef ROW_K
@@ -462,9 +483,9 @@ static void compose_row(const float *a, float *out, int len, int sv, int M, int 
 }
 
 static void compose_row_backward(const float *a, const float *g, float *da, int len, int sv, int M, int I,
-                                 const float *q, const float *k, v8 *dq, float *dk) {
+                                 const float *q, const float *k, vf *dq, float *dk) {
 #define ROW(HEADS, RANK, K) \
-    for (int j = 0; j < len; j += V8) compose8_backward(a, g, da, sv, j, HEADS, RANK, q, K, dq, dk)
+    for (int j = 0; j < len; j += VL) compose_vec_backward(a, g, da, sv, j, HEADS, RANK, q, K, dq, dk)
 #define ROW_K(HEADS, RANK) if (k) ROW(HEADS, RANK, k); else ROW(HEADS, RANK, static_cast<const float *>(nullptr));
     DISPATCH_SHAPES(ROW_K)
 #undef ROW_K
@@ -483,10 +504,10 @@ static void compose_row_backward(const float *a, const float *g, float *da, int 
    softmax's gradient and the gradient through Compose before it (written over grad). */
 #define BWD_ROWS 16
 #define BWD_BLOCK 64   /* keys per block in the backward pass: a block's key factors and their gradients stay near L1 */
-/* floats from one row of a block buffer to the next: BWD_BLOCK + 8, not a power of two, as STRIDE (4K aliasing
+/* floats from one row of a block buffer to the next: BWD_BLOCK + 16 (one cache line), not a power of two, as STRIDE (4K aliasing
    between the Compose gradients' stores and loads: 0.83-0.90x the time at 4-12 heads a group, 0.62-0.77x at 16
    and 32, docs/performance.md, round 10) */
-#define BWD_STRIDE (BWD_BLOCK + 8)
+#define BWD_STRIDE (BWD_BLOCK + 16)
 static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int s, int I, const float *qt, float *dqt,
                               int64_t T, int64_t t0, const float *kt, float *dkt, int64_t S, int64_t s0,
                               const uint8_t *pad, int64_t pad_stride, int64_t qpos0, int64_t kpos0, int64_t window,
@@ -496,13 +517,13 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
     /* per row and block: x0 the scaled products, p the probabilities (before Compose after the softmax), gp a
        gradient, d an input's gradient or an output; the block's key factors of both slots and their gradients;
        the tile's factors; the block's visible keys of a row (1 or 0); per row and head: the running maximum, the
-       sum (then its inverse), the sum of p dp; per row: its factor gradients (8 lanes each) */
-    std::vector<float> buffer(4 * rowb + 4 * kfb + (size_t)2 * F * BWD_ROWS + BWD_BLOCK + 3 * stats);
-    std::vector<v8> dqv((size_t)BWD_ROWS * 2 * F);
+       sum (then its inverse), the sum of p dp; per row: its factor gradients (VL lanes each) */
+    AlignedFloats buffer(4 * rowb + 4 * kfb + (size_t)2 * F * BWD_ROWS + BWD_BLOCK + 3 * stats);
+    std::vector<vf> dqv((size_t)BWD_ROWS * 2 * F);
     /* the tile's rows after Compose before the softmax, masked ([BWD_ROWS][M][s]; about 0.5 MiB at 8 heads and 1024
        keys: it stays in L2), written in pass 0; pass 1 turns them into the probabilities, which pass 2 reads */
-    std::vector<float> kept((size_t)BWD_ROWS * M * s);
-    float *x0 = buffer.data(), *p = x0 + rowb, *gp = p + rowb, *d = gp + rowb;
+    AlignedFloats kept((size_t)BWD_ROWS * M * s);
+    float *x0 = buffer.data, *p = x0 + rowb, *gp = p + rowb, *d = gp + rowb;
     float *kf = d + rowb, *dkf = kf + 2 * kfb, *qf = dkf + 2 * kfb, *vis = qf + (size_t)2 * F * BWD_ROWS;
     float *top = vis + BWD_BLOCK, *sum = top + stats, *mean = sum + stats;
     const int64_t b = bg / G;
@@ -513,7 +534,7 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
             for (int w = 0; w < 2 * F; w++) {
                 const int slot = w / F;
                 qf[rr * 2 * F + w] = qt[((bg * 2 + slot) * F + w % F) * T + t0 + r0 + rr];
-                dqv[rr * 2 * F + w] = v8{};
+                dqv[rr * 2 * F + w] = vf{};
             }
         for (size_t i = 0; i < stats; i++) top[i] = -FLT_MAX, sum[i] = 0.0f, mean[i] = 0.0f;
         for (int phase = 0; phase < 3; phase++) {
@@ -551,7 +572,7 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                     }
                     const float *q0 = qf + rr * 2 * F, *q1 = q0 + F;
                     float *tp = top + rr * M, *sm = sum + rr * M, *mn = mean + rr * M;
-                    float *kr = kept.data() + (size_t)rr * M * s + j0;  /* head m: kr + m * s */
+                    float *kr = kept.data + (size_t)rr * M * s + j0;  /* head m: kr + m * s */
                     if (phase == 0) {  /* Compose before the softmax, kept; the running maximum and sum */
                         compose_row(x0, p, Lv, P, M, I, q0, k0);
                         for (int m = 0; m < M; m++) {
@@ -575,7 +596,7 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                             std::memcpy(o, k_m, sizeof(float) * L);
                         for (int j = L; j < Lv; j++) o[j] = 0.0f;
                     }
-                    v8 *dq = dqv.data() + rr * 2 * F;
+                    vf *dq = dqv.data() + rr * 2 * F;
                     if (phase == 1) {  /* dP -> dp through Compose after the softmax; sum of p dp */
                         for (int n = 0; n < M; n++) {
                             for (int j = 0; j < L; j++) gp[n * P + j] = grad_row[n][j] * vis[j];
@@ -583,9 +604,9 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
                         }
                         compose_row_backward(p, gp, d, Lv, P, M, I, q1, k1, dq + F, dkf + kfb);
                         for (int n = 0; n < M; n++) {
-                            v8 acc = v8{};
-                            for (int j = 0; j < Lv; j += V8) acc += load8(p + n * P + j) * load8(d + n * P + j);
-                            for (int l = 0; l < V8; l++) mn[n] += acc[l];
+                            vf acc = vf{};
+                            for (int j = 0; j < Lv; j += VL) acc += loadv(p + n * P + j) * loadv(d + n * P + j);
+                            for (int l = 0; l < VL; l++) mn[n] += acc[l];
                             for (int j = 0; j < L; j++) grad_row[n][j] = d[n * P + j];
                         }
                         continue;
@@ -616,7 +637,7 @@ static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int 
         for (int rr = 0; rr < R; rr++)
             for (int w = 0; w < 2 * F; w++) {
                 float total_w = 0.0f;
-                for (int l = 0; l < V8; l++) total_w += dqv[rr * 2 * F + w][l];
+                for (int l = 0; l < VL; l++) total_w += dqv[rr * 2 * F + w][l];
                 const int slot = w / F;
                 dqt[((bg * 2 + slot) * F + w % F) * T + t0 + r0 + rr] += total_w;
             }
@@ -826,19 +847,19 @@ static at::Tensor dcmha_decode(const at::Tensor &query, const at::Tensor &key, c
                             for (int64_t j = 0; j < S; j++) kt[row * S + j] = ksrc[j * kts[1]];
                         }
                     }
-            for (int64_t m = 0; m < M; m++) {  /* the raw q.k products, 8 lanes at a time */
+            for (int64_t m = 0; m < M; m++) {  /* the raw q.k products, VL lanes at a time */
                 const int64_t n = g * M + m;
                 for (int64_t t = 0; t < T; t++) {
                     const float *q = qp + b * qs[0] + n * qs[1] + t * qs[2];
                     float *row = scores.data() + (m * T + t) * S;
                     for (int64_t j = 0; j < S; j++) {
                         const float *k = kp + b * ks[0] + n * ks[1] + j * ks[2];
-                        v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+                        vf acc = vf{};
                         int64_t d = 0;
-                        for (; d + V8 <= Dh; d += V8) acc += load8(q + d) * load8(k + d);
+                        for (; d + VL <= Dh; d += VL) acc += loadv(q + d) * loadv(k + d);
                         float sum = 0.0f;
                         for (; d < Dh; d++) sum += q[d] * k[d];
-                        for (int l = 0; l < V8; l++) sum += acc[l];
+                        for (int l = 0; l < VL; l++) sum += acc[l];
                         row[j] = sum;
                     }
                 }
@@ -868,7 +889,11 @@ static at::Tensor dcmha_decode(const at::Tensor &query, const at::Tensor &key, c
     return out;
 }
 
+/* dcformer::vector_width: the floats Compose works on at once in this build (VL: 16 with AVX-512, else 8) */
+static int64_t vector_width() { return VL; }
+
 TORCH_LIBRARY(dcformer, m) {
+    m.def("vector_width() -> int", &vector_width);
     m.def("compose_softmax_compose_(Tensor(a!) scores, Tensor query_terms, int t0, Tensor? key_terms, int s0, "
           "Tensor? key_padding_mask, int query_pos0, int key_pos0, int window, float scale, int rank, "
           "int num_groups, int rows, bool parallel) -> ()");
