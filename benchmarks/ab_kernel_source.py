@@ -61,11 +61,8 @@ def laid_out(raw: torch.Tensor, layout: str) -> torch.Tensor:
     """A copy of the chunk's scores [B, N, c, s] in `layout`."""
     if layout == "contiguous":
         return raw.clone()
-    B, N, c, s = raw.shape
-    size, strides = cpu_kernel.score_layout(B, N, c, s)
-    if layout != "staggered":  # staggeredN: score_layout's arithmetic with a stagger of N
-        head = -(-c * s // 1024) * 1024 + int(layout[len("staggered"):])
-        size, strides = B * N * head, (N * head, head, s, 1)
+    stagger = int(layout[len("staggered"):] or cpu_kernel.HEAD_STAGGER)  # "staggered" or "staggeredN"
+    size, strides = cpu_kernel.score_layout(*raw.shape, stagger=stagger)
     scores = torch.empty(size).as_strided(raw.shape, strides)
     return scores.copy_(raw)
 

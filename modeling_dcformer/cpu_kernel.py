@@ -101,12 +101,12 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def score_layout(B: int, N: int, c: int, s: int) -> tuple[int, tuple[int, int, int, int]]:
+def score_layout(B: int, N: int, c: int, s: int, stagger: int = HEAD_STAGGER) -> tuple[int, tuple[int, int, int, int]]:
     """How `kernel_forward` lays out a chunk's scores [B, N, c, s]: each head's c rows of s keys contiguous, the heads
-    HEAD_STAGGER floats apart modulo 4 KiB (rows of contiguous heads at 1,024 keys would lie a multiple of 4 KiB
-    apart, in the same few L1 cache sets, and the operator would work on copies). Returns the floats the chunk
-    needs and its strides."""
-    head = -(-c * s // 1024) * 1024 + HEAD_STAGGER
+    `stagger` (HEAD_STAGGER) floats apart modulo 4 KiB (rows of contiguous heads at 1,024 keys would lie a multiple
+    of 4 KiB apart, in the same few L1 cache sets, and the operator would work on copies). Returns the floats the
+    chunk needs and its strides."""
+    head = -(-c * s // 1024) * 1024 + stagger
     return B * N * head, (N * head, head, s, 1)
 
 
