@@ -138,23 +138,23 @@ static void compose_block(float *a, int64_t astride, int L, int M, int I, const 
     const vi fillv = (vi)(vf{} + fill);
 #define COMPOSE_LOOP(HEADS, RANK, K, MASKED)                                                        \
     for (int j = 0; j < L; j += VL) {                                                               \
-        vi keep = {0};                                                                             \
+        vi keep = {0};                                                                              \
         if (MASKED) {                                                                               \
-            const vi idx = IOTA + j;                                                  \
+            const vi idx = IOTA + j;                                                                \
             keep = (idx >= lo) & (idx < hi);                                                        \
             if (pad) {                                                                              \
-                vi p;                                                                              \
+                vi p;                                                                               \
                 for (int l = 0; l < VL; l++) p[l] = pad[j + l];                                     \
                 keep &= p != 0;                                                                     \
             }                                                                                       \
         }                                                                                           \
-        compose_vec(a, astride, j, HEADS, RANK, q, K, STRIDE, sc, [&](int m, vf out) {                  \
-            if (MASKED) out = (vf)(((vi)out & keep) | (fillv & ~keep));                            \
+        compose_vec(a, astride, j, HEADS, RANK, q, K, STRIDE, sc, [&](int m, vf out) {              \
+            if (MASKED) out = (vf)(((vi)out & keep) | (fillv & ~keep));                             \
             if (mx) {                                                                               \
                 float *lane = mx + m * VW + (j & (VW - 1));                                         \
                 const vf top = loadv(lane);                                                         \
-                const vi up = out > top;                                                           \
-                storev(lane, (vf)(((vi)out & up) | ((vi)top & ~up)));                             \
+                const vi up = out > top;                                                            \
+                storev(lane, (vf)(((vi)out & up) | ((vi)top & ~up)));                               \
             }                                                                                       \
             storev(a + m * astride + j, out);                                                       \
         });                                                                                         \
@@ -474,7 +474,7 @@ static inline __attribute__((always_inline)) void compose_vec_backward(
 static void compose_row(const float *a, float *out, int len, int sv, int M, int I, const float *q, const float *k) {
 #define ROW(HEADS, RANK, K)                                                                    \
     for (int j = 0; j < len; j += VL)                                                          \
-        compose_vec(a, sv, j, HEADS, RANK, q, K, sv, static_cast<const float *>(nullptr),         \
+        compose_vec(a, sv, j, HEADS, RANK, q, K, sv, static_cast<const float *>(nullptr),      \
                  [&](int m, vf o) { storev(out + m * sv + j, o); })
 #define ROW_K(HEADS, RANK) if (k) ROW(HEADS, RANK, k); else ROW(HEADS, RANK, static_cast<const float *>(nullptr));
     DISPATCH_SHAPES(ROW_K)
