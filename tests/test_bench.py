@@ -262,7 +262,7 @@ def test_bench_train_step_times_each_implementation_against_the_transformer(monk
 def cuda_check_steps() -> dict[str, list[str]]:
     """{step name: its command's words} of benchmarks/cuda_check.sh, its variables ($bench, $dc) filled in."""
     text = (ROOT / "benchmarks" / "cuda_check.sh").read_text().replace("\\\n", " ")
-    values = {"bench": "benchmarks", "dc": re.search(r'^dc="([^"]*)"', text, re.M).group(1), "per_test": ""}
+    values = {"bench": "benchmarks", "dc": re.search(r'^dc="([^"]*)"', text, re.M).group(1), "per_test": "", "workers": ""}
     steps = {}
     for line in text.splitlines():
         if line.startswith("step "):
