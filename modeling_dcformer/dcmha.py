@@ -7,8 +7,7 @@ like transformers' `AttentionInterface`):
     backend.why_not(inputs, output_attentions) -> None if it can compute this call, else the reason
 
 Built in: "eager" (the reference), "compiled", and the kernels "kernel" (CPU) and "triton", imported on first use
-(not part of a save's remote code: there "auto" does without them). `DCMHAInterface.register("name", backend)` adds
-one. What the backends share is `dcmha_base.py` (re-exported here); this module adds the dispatch and "auto".
+(not in a save's remote code). `DCMHAInterface.register("name", backend)` adds one; `dcmha_base.py` holds the rest.
 """
 
 import importlib
@@ -25,9 +24,10 @@ from .dcmha_eager import EAGER
 
 logger = logging.get_logger(__name__)
 
-# "auto" compiles an attention call whose chunks compute at least this many scores in all (batch x heads x queries x
-# keys each chunk sees): below it, eager ops are as fast and no compilation is paid.
+# "auto" compiles (on CUDA: "triton") an attention call whose chunks compute at least this many scores in all (batch x
+# heads x queries x keys each chunk sees): below it, eager ops are as fast and no compilation is paid.
 AUTO_COMPILE_MIN_SCORES = 1 << 20
+AUTO_TRITON_DEVICE_TYPES = ("cuda",)  # not "cpu": there Triton only interprets (a tool for tests)
 
 
 class LazyBackend(DCMHABackend):
@@ -61,14 +61,15 @@ class LazyBackend(DCMHABackend):
 
 
 def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):
-    """"auto": the CPU kernel where it can compute the call (inference and training on CPU); else "compiled" for
-    calls big enough to pay for the compilation where torch.compile can generate code; else "eager"."""
-    backends = DCMHA_BACKENDS
-    if backends["kernel"].why_not(inputs, output_attentions) is None:
-        return backends["kernel"]
-    if inputs.num_scores >= AUTO_COMPILE_MIN_SCORES and backends["compiled"].why_not(inputs, output_attentions) is None:
-        return backends["compiled"]
-    return backends["eager"]
+    """"auto": the CPU kernel where it can compute the call (inference and training on CPU); for calls of at least
+    AUTO_COMPILE_MIN_SCORES scores, "triton" on CUDA (chunked "compiled" is launch-bound there: docs/benchmarks.md),
+    else "compiled" where torch.compile can generate code; else "eager"."""
+    big = inputs.num_scores >= AUTO_COMPILE_MIN_SCORES
+    on_gpu = inputs.query.device.type in AUTO_TRITON_DEVICE_TYPES
+    for name, wanted in (("kernel", True), ("triton", big and on_gpu), ("compiled", big)):
+        if wanted and DCMHA_BACKENDS[name].why_not(inputs, output_attentions) is None:
+            return DCMHA_BACKENDS[name]
+    return DCMHA_BACKENDS["eager"]
 
 
 # Under torch.compile or torch.export these run the eager chunks: the tracer records PyTorch ops, which the enclosing
@@ -121,8 +122,7 @@ def projection_kernel(implementation: str, x: torch.Tensor, *arguments):
     return None if project is None else project(x, *arguments)
 
 
-DCMHAInterface._global_mapping.update(
-    eager=EAGER, compiled=COMPILED, kernel=LazyBackend("kernel", "cpu_kernel", "KERNEL"),
-    triton=LazyBackend("triton", "triton_kernel", "TRITON"),
-)
+DCMHAInterface._global_mapping.update(eager=EAGER, compiled=COMPILED,
+                                      kernel=LazyBackend("kernel", "cpu_kernel", "KERNEL"),
+                                      triton=LazyBackend("triton", "triton_kernel", "TRITON"))
 DCMHA_BACKENDS = DCMHAInterface()

@@ -536,6 +536,8 @@ class TritonBackend(DCMHABackend):
     name = "triton"
 
     def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
+        if self.failure is not None:
+            return self.failure
         if not inputs.composed:
             return "no composition (use_dcmha=False)"
         if output_attentions:

@@ -202,8 +202,9 @@ def test_registry_lists_the_built_in_backends():
 
 
 def test_auto_picks_by_size_and_device(monkeypatch):
-    """"auto": the CPU kernel, for inference and training (when it builds here); where it cannot run, "compiled" for
-    calls of at least AUTO_COMPILE_MIN_SCORES scores; "eager" below it or where nothing can be compiled."""
+    """"auto": the CPU kernel, for inference and training (when it builds here); where it cannot run, for calls of at
+    least AUTO_COMPILE_MIN_SCORES scores "triton" on a GPU where Triton runs, else "compiled"; "eager" below the
+    threshold or where nothing can be compiled."""
     kernel_ok = DCMHA_BACKENDS["kernel"].why_not(probe_inputs()) is None
     training = probe_inputs(requires_grad=True)
     with torch.no_grad():
@@ -214,10 +215,40 @@ def test_auto_picks_by_size_and_device(monkeypatch):
     monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", training.num_scores)
     monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: True)
     assert dcmha.choose_auto(training).name == "compiled"
+    # on a GPU (the CPU standing in for one here), "triton" before "compiled" where it can run, for large calls only
+    monkeypatch.setattr(dcmha, "AUTO_TRITON_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(DCMHA_BACKENDS["triton"], "why_not", lambda *a: None)
+    assert dcmha.choose_auto(training).name == "triton"
+    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", training.num_scores + 1)
+    assert dcmha.choose_auto(training).name == "eager"
+    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", training.num_scores)
+    monkeypatch.setattr(DCMHA_BACKENDS["triton"], "why_not", lambda *a: "Triton is not installed")
+    assert dcmha.choose_auto(training).name == "compiled"
+    monkeypatch.setattr(DCMHA_BACKENDS["triton"], "why_not", lambda *a: None)
+    monkeypatch.setattr(dcmha, "AUTO_TRITON_DEVICE_TYPES", ("cuda",))  # the CPU: Triton would only interpret
+    assert dcmha.choose_auto(training).name == "compiled"
     monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: False)
     assert dcmha.choose_auto(training).name == "eager"
     assert "torch.compile cannot generate code" in COMPILED.why_not(training)
     assert not dcmha.compile_supported(torch.device("meta"))
+
+
+def test_a_triton_failure_is_remembered_and_auto_does_without_it(monkeypatch):
+    """A Triton build that fails under "auto" (say, a GPU that Triton cannot compile for) is recorded on the backend:
+    its why_not gives the reason from then on, so "auto" stops choosing it."""
+    from modeling_dcformer.triton_kernel import TRITON
+
+    monkeypatch.setattr(TRITON, "failure", None)
+    monkeypatch.setattr(dcmha, "AUTO_TRITON_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", 1)
+    monkeypatch.setattr(DCMHA_BACKENDS["kernel"], "why_not", lambda *a: "not in this test")
+    monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: False)
+    monkeypatch.setattr("modeling_dcformer.triton_kernel.unsupported", lambda device, rank: None)
+    inputs = probe_inputs()
+    assert dcmha.choose_auto(inputs).name == "triton"
+    TRITON.record_failure(RuntimeError("PTX for this GPU failed"))
+    assert "PTX for this GPU failed" in TRITON.why_not(inputs)
+    assert dcmha.choose_auto(inputs).name == "eager"
 
 
 def test_auto_falls_back_to_eager_and_the_backend_remembers_the_failure(monkeypatch):

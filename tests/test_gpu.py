@@ -7,7 +7,8 @@ oracle (`oracle.py`) and the eager model on the CPU.
 - `generate` on CUDA: a left-padded batch gives each row's greedy tokens of that row alone on the CPU; a static cache
   under `torch.compile` (Inductor, what transformers users do for speed) gives the eager tokens;
 - training on CUDA: activation checkpointing gives the same gradients; AdamW steps under bf16 autocast lower the loss;
-- "triton" never stores the `[heads, queries, keys]` scores: its peak memory stays below one such tensor.
+- "triton" never stores the `[heads, queries, keys]` scores: its peak memory stays below one such tensor;
+- "auto" on CUDA runs "triton" for large calls (the oracle's logits) and "eager" for a decoding step.
 
 fp32 products run without TF32 here (the fixture below), so fp32 on the GPU is held to fp32's tolerance.
 """
@@ -206,3 +207,37 @@ def test_static_cache_generation_under_inductor_on_cuda_equals_eager():
     assert_compiled_generation_equals(
         model, lambda: greedy(model, ids, mask, cache_implementation="static"), eager, "inductor"
     )
+
+
+def test_auto_runs_triton_for_large_calls_on_cuda(monkeypatch):
+    """"auto" on CUDA: "triton" for calls of at least AUTO_COMPILE_MIN_SCORES scores (the threshold lowered to this
+    test's), with the oracle's logits; a small call (one decoding step) runs "eager"."""
+    needs("triton")
+    from modeling_dcformer import dcmha
+
+    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", 64)
+    chosen, choose = [], dcmha.choose_auto
+
+    def recorded(*args, **kwargs):
+        backend = choose(*args, **kwargs)
+        chosen.append(backend.name)
+        return backend
+
+    monkeypatch.setattr(dcmha, "choose_auto", recorded)
+    model = build_model(make_config(dcmha_implementation="eager", **SHARED))
+    input_ids, mask = padded_batch()
+    gpu = on_cuda(model)
+    gpu.config.dcmha_implementation = "auto"
+    with torch.no_grad():
+        logits = gpu(input_ids.to(CUDA), attention_mask=mask.to(CUDA), use_cache=False).logits.cpu()
+    assert chosen and set(chosen) == {"triton"}, chosen
+    state = as_double(model.state_dict())
+    for row in range(input_ids.shape[0]):
+        real = mask[row].bool()
+        expected = oracle_causal_lm(state, model.config, input_ids[row, real][None])[0]
+        assert_close(logits[row, real], expected, **FP32_TOL)
+    chosen.clear()
+    step = input_ids[:1, :1].to(CUDA)
+    with torch.no_grad():
+        gpu(step, use_cache=False)
+    assert chosen and set(chosen) == {"eager"}, chosen
