@@ -437,6 +437,13 @@ def vector_width() -> int:
     return int(torch.ops.dcformer.vector_width())
 
 
+def block_stride() -> int:
+    """The head stagger (floats, modulo 4 KiB) at which the forward operator composes the scores in place (STRIDE in
+    csrc/dcmha_cpu.cpp); HEAD_STAGGER must equal it (builds the kernel if need be)."""
+    KERNEL.load()
+    return int(torch.ops.dcformer.block_stride())
+
+
 def checked_operands(rank: int, key_padding_mask: torch.Tensor | None, **tensors: torch.Tensor | None):
     """What both operators' wrappers do before calling them: load the kernel, check the tensors (named by their
     keywords) and the rank with clear errors, and return the padding mask as the operators take it (uint8)."""

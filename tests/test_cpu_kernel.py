@@ -140,6 +140,17 @@ def test_the_kernel_is_built_for_this_cpus_vector_width():
     assert cpu_kernel.vector_width() == (16 if cpu_has_avx512() and not forced_8 else 8)
 
 
+def test_the_models_score_layout_is_the_one_the_operator_composes_in_place():
+    """HEAD_STAGGER (Python's score layout) and STRIDE (the C++ operator's block stride) are one number kept in two
+    languages: where they differ the operator still computes the right scores, on copies (slower), so only this
+    test would notice. The layout's head stride is STRIDE modulo 4 KiB at several chunk shapes."""
+    stride = cpu_kernel.block_stride()
+    assert stride == cpu_kernel.HEAD_STAGGER, (stride, cpu_kernel.HEAD_STAGGER)
+    for c, s in [(64, 1024), (64, 64), (5, 7), (128, 2048)]:
+        _, strides = cpu_kernel.score_layout(2, 12, c, s)
+        assert strides[1] % 1024 == stride and strides[1] >= c * s, (c, s, strides)
+
+
 @pytest.mark.skipif(not cpu_has_avx512(), reason="without AVX-512 the 8-wide build is the native one: every test runs it")
 @pytest.mark.skipif("DCFORMER_TEST_KERNEL_CFLAGS" in os.environ, reason="this test is the one that sets the flags")
 def test_the_8_wide_build_matches_the_oracle_too():

@@ -891,9 +891,13 @@ static at::Tensor dcmha_decode(const at::Tensor &query, const at::Tensor &key, c
 
 /* dcformer::vector_width: the floats Compose works on at once in this build (VL: 16 with AVX-512, else 8) */
 static int64_t vector_width() { return VL; }
+/* dcformer::block_stride: STRIDE, the head stagger (modulo 4 KiB) at which the forward operator composes the scores
+   in place; cpu_kernel.HEAD_STAGGER lays the model's scores out so, and a test holds the two equal */
+static int64_t block_stride() { return STRIDE; }
 
 TORCH_LIBRARY(dcformer, m) {
     m.def("vector_width() -> int", &vector_width);
+    m.def("block_stride() -> int", &block_stride);
     m.def("compose_softmax_compose_(Tensor(a!) scores, Tensor query_terms, int t0, Tensor? key_terms, int s0, "
           "Tensor? key_padding_mask, int query_pos0, int key_pos0, int window, float scale, int rank, "
           "int num_groups, int rows, bool parallel) -> ()");
