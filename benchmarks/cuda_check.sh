@@ -36,37 +36,42 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...: run it, its output to the log, i
 }
 
 bench=benchmarks
-# Run 1 (2026-11-26) found "auto" ("compiled" on CUDA) launch-bound, 13x GPT-NeoX's prefill time, and its compile
-# time ran the steps out; so the model steps time "triton" (one kernel launch a layer's attention) against GPT-NeoX
-# first, and "auto" comes after them.
+# Run 1 (2026-11-26): "compiled" (then "auto" on CUDA) launch-bound, 13x GPT-NeoX's prefill time. Run 2 (11-28):
+# "triton" 5.6-11x in prefill and training, its kernels nearly all of it; "auto" now runs "triton" for large calls
+# and "eager" for decoding steps. So prefill and training time "triton" (the same as "auto" there), decoding times
+# "auto" and "triton" side by side (is "eager" or "triton" the better decoding step on a GPU?), and the profile of
+# the Triton kernels comes early.
 dc="--implementation triton"
 step env 30 python3 -c "import torch, triton, transformers; print('GPU', torch.cuda.get_device_name(), '| torch', \
 torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
 per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")  # a slow test fails, the rest run
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4 --dist load")  # compiling is CPU work: 4 at a time
 step gpu-tests 220 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $per_test $workers tests/test_gpu.py
-# Pythia-160M (12 layers), batch 8 x 1024 tokens: prefill, training step (no optimizer), 16 new tokens
-step 160m-bf16 75 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
-    --vocab 50304 --dtype bf16 --phases prefill,train,decode --seq-len 1024 --batch 8 --decode-new 16 --repeats 5 $dc
-# 4 layers of DCPythia-6.9B's shape (vocabulary 50432): prefill of 2048 tokens, 16 new tokens, a training step
-step 6.9b-bf16 75 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-6.9b --layers 4 \
-    --vocab 50432 --dtype bf16 --phases prefill,decode,train --seq-len 2048 --decode-prompt 16 --decode-new 16 \
-    --repeats 5 $dc
-step 160m-fp32 60 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
-    --vocab 50304 --dtype fp32 --phases prefill,train,decode --seq-len 1024 --batch 8 --decode-new 16 --repeats 5 $dc
-step 6.9b-fp32 60 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-6.9b --layers 4 \
-    --vocab 50432 --dtype fp32 --phases prefill,train --seq-len 2048 --repeats 5 $dc
-# one attention layer of Pythia-160M, each DCMHA implementation against SDPA
-step attention-160m-bf16 45 python3 $bench/bench_attention.py --device cuda --dtype bf16 --seq-lens 1024,4096 \
-    --repeats 10
-# "auto" (today "compiled" on CUDA) beside "triton", in one process, with chunks of 1024 queries (fewer launches)
-step 160m-bf16-auto 60 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
-    --vocab 50304 --dtype bf16 --phases prefill,train --seq-len 1024 --batch 8 --repeats 3 \
-    --attention-chunk-size 1024 --implementation triton,auto
-step train-step-small 45 python3 $bench/bench_train_step.py --device cuda --repeats 10
+# Pythia-160M (12 layers), batch 8 x 1024 tokens: prefill and a training step (no optimizer)
+step 160m-bf16 50 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
+    --vocab 50304 --dtype bf16 --phases prefill,train --seq-len 1024 --batch 8 --repeats 5 $dc
+# 4 layers of DCPythia-6.9B's shape (vocabulary 50432): prefill of 2048 tokens and a training step
+step 6.9b-bf16 50 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-6.9b --layers 4 \
+    --vocab 50432 --dtype bf16 --phases prefill,train --seq-len 2048 --repeats 5 $dc
+# 16 new tokens: "auto" (eager decoding steps) against "triton"
+step 160m-bf16-decode 45 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
+    --vocab 50304 --dtype bf16 --phases decode --batch 8 --decode-new 16 --repeats 5 --implementation auto,triton
+step 6.9b-bf16-decode 45 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-6.9b --layers 4 \
+    --vocab 50432 --dtype bf16 --phases decode --decode-prompt 16 --decode-new 16 --repeats 5 \
+    --implementation auto,triton
 # where the time goes (torch.profiler's kernel times)
-step 160m-bf16-profile 60 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
+step 160m-bf16-profile 45 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
     --vocab 50304 --dtype bf16 --phases prefill,train --seq-len 1024 --batch 8 --repeats 3 --profile --rows 12 $dc
-step attention-6.9b-bf16 60 python3 $bench/bench_attention.py --device cuda --dtype bf16 --hidden-size 4096 --heads 32 \
-    --seq-lens 2048 --repeats 10
+step 160m-fp32 50 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
+    --vocab 50304 --dtype fp32 --phases prefill,train --seq-len 1024 --batch 8 --repeats 5 $dc
+step 6.9b-fp32 50 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-6.9b --layers 4 \
+    --vocab 50432 --dtype fp32 --phases prefill,train --seq-len 2048 --repeats 5 $dc
+step train-step-small 45 python3 $bench/bench_train_step.py --device cuda --repeats 10
+# "compiled" with one chunk a layer, the other candidate: its training step never finished within a limit (Inductor)
+step 160m-bf16-compiled 60 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
+    --vocab 50304 --dtype bf16 --phases train,prefill --seq-len 1024 --batch 8 --repeats 3 \
+    --attention-chunk-size 1024 --implementation triton,compiled
+# one attention layer, each DCMHA implementation against SDPA
+step attention-160m-bf16 60 python3 $bench/bench_attention.py --device cuda --dtype bf16 --seq-lens 1024,4096 \
+    --repeats 10
 echo "== done; the whole log: $log"
