@@ -27,7 +27,7 @@ logger = logging.get_logger(__name__)
 # "auto" compiles (on CUDA: "triton") an attention call whose chunks compute at least this many scores in all (batch x
 # heads x queries x keys each chunk sees): below it, eager ops are as fast and no compilation is paid.
 AUTO_COMPILE_MIN_SCORES = 1 << 20
-AUTO_TRITON_DEVICE_TYPES = ("cuda",)  # not "cpu": there Triton only interprets (a tool for tests)
+AUTO_TRITON_MIN_CAPABILITY = (8, 0)  # "auto" runs "triton" on CUDA GPUs from Ampere on (tested: Hopper)
 
 
 class LazyBackend(DCMHABackend):
@@ -62,11 +62,11 @@ class LazyBackend(DCMHABackend):
 
 def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):
     """"auto": the CPU kernel where it can compute the call (inference and training on CPU); for calls of at least
-    AUTO_COMPILE_MIN_SCORES scores, "triton" on CUDA (chunked "compiled" is launch-bound there: docs/benchmarks.md),
-    else "compiled" where torch.compile can generate code; else "eager"."""
-    big = inputs.num_scores >= AUTO_COMPILE_MIN_SCORES
-    on_gpu = inputs.query.device.type in AUTO_TRITON_DEVICE_TYPES
-    for name, wanted in (("kernel", True), ("triton", big and on_gpu), ("compiled", big)):
+    AUTO_COMPILE_MIN_SCORES scores, "triton" on a CUDA GPU of AUTO_TRITON_MIN_CAPABILITY (chunked "compiled" is
+    launch-bound there: docs/benchmarks.md), else "compiled" where torch.compile can generate code; else "eager"."""
+    big, device = inputs.num_scores >= AUTO_COMPILE_MIN_SCORES, inputs.query.device
+    on_gpu = big and device.type == "cuda" and torch.cuda.get_device_capability(device) >= AUTO_TRITON_MIN_CAPABILITY
+    for name, wanted in (("kernel", True), ("triton", on_gpu), ("compiled", big)):
         if wanted and DCMHA_BACKENDS[name].why_not(inputs, output_attentions) is None:
             return DCMHA_BACKENDS[name]
     return DCMHA_BACKENDS["eager"]

@@ -8,6 +8,8 @@ and a clear error for what it cannot do. A backend that cannot run on this machi
 The registry: "auto"'s choice, failures remembered on the backend object, and a user's own backend.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -201,6 +203,11 @@ def test_registry_lists_the_built_in_backends():
         assert DCMHA_BACKENDS[name].name == name
 
 
+def gpu_call(num_scores: int):
+    """What `choose_auto` reads of a call (its size and device), for a call on a CUDA GPU this machine may not have."""
+    return SimpleNamespace(num_scores=num_scores, query=SimpleNamespace(device=torch.device("cuda", 0)))
+
+
 def test_auto_picks_by_size_and_device(monkeypatch):
     """"auto": the CPU kernel, for inference and training (when it builds here); where it cannot run, for calls of at
     least AUTO_COMPILE_MIN_SCORES scores "triton" on a GPU where Triton runs, else "compiled"; "eager" below the
@@ -215,18 +222,21 @@ def test_auto_picks_by_size_and_device(monkeypatch):
     monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", training.num_scores)
     monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: True)
     assert dcmha.choose_auto(training).name == "compiled"
-    # on a GPU (the CPU standing in for one here), "triton" before "compiled" where it can run, for large calls only
-    monkeypatch.setattr(dcmha, "AUTO_TRITON_DEVICE_TYPES", ("cpu",))
+    # on a GPU from Ampere on, "triton" before "compiled" where it can run, for large calls only
     monkeypatch.setattr(DCMHA_BACKENDS["triton"], "why_not", lambda *a: None)
-    assert dcmha.choose_auto(training).name == "triton"
-    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", training.num_scores + 1)
-    assert dcmha.choose_auto(training).name == "eager"
-    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", training.num_scores)
+    assert dcmha.choose_auto(training).name == "compiled"  # the CPU: there Triton would only interpret
+    on_gpu = gpu_call(training.num_scores)
+    capability = {"value": (9, 0)}  # an H100 / H200
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    assert dcmha.choose_auto(on_gpu).name == "triton"
+    capability["value"] = (8, 0)  # an A100
+    assert dcmha.choose_auto(on_gpu).name == "triton"
+    capability["value"] = (7, 5)  # a T4: no bf16 products in Triton
+    assert dcmha.choose_auto(on_gpu).name == "compiled"
+    capability["value"] = (9, 0)
+    assert dcmha.choose_auto(gpu_call(training.num_scores - 1)).name == "eager"  # below the threshold
     monkeypatch.setattr(DCMHA_BACKENDS["triton"], "why_not", lambda *a: "Triton is not installed")
-    assert dcmha.choose_auto(training).name == "compiled"
-    monkeypatch.setattr(DCMHA_BACKENDS["triton"], "why_not", lambda *a: None)
-    monkeypatch.setattr(dcmha, "AUTO_TRITON_DEVICE_TYPES", ("cuda",))  # the CPU: Triton would only interpret
-    assert dcmha.choose_auto(training).name == "compiled"
+    assert dcmha.choose_auto(on_gpu).name == "compiled"
     monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: False)
     assert dcmha.choose_auto(training).name == "eager"
     assert "torch.compile cannot generate code" in COMPILED.why_not(training)
@@ -239,12 +249,12 @@ def test_a_triton_failure_is_remembered_and_auto_does_without_it(monkeypatch):
     from modeling_dcformer.triton_kernel import TRITON
 
     monkeypatch.setattr(TRITON, "failure", None)
-    monkeypatch.setattr(dcmha, "AUTO_TRITON_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(DCMHA_BACKENDS["kernel"], "why_not", lambda *a: "not in this test")
     monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: False)
     monkeypatch.setattr("modeling_dcformer.triton_kernel.unsupported", lambda device, rank: None)
-    inputs = probe_inputs()
+    inputs = SimpleNamespace(composed=True, rank=2, **vars(gpu_call(1)))
     assert dcmha.choose_auto(inputs).name == "triton"
     TRITON.record_failure(RuntimeError("PTX for this GPU failed"))
     assert "PTX for this GPU failed" in TRITON.why_not(inputs)
