@@ -215,6 +215,8 @@ def test_auto_runs_triton_for_large_calls_on_cuda(monkeypatch):
     needs("triton")
     from modeling_dcformer import dcmha
 
+    if torch.cuda.get_device_capability() < dcmha.AUTO_TRITON_MIN_CAPABILITY:
+        pytest.skip(f'"auto" keeps "compiled" below compute capability {dcmha.AUTO_TRITON_MIN_CAPABILITY}')
     monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", 64)
     chosen, choose = [], dcmha.choose_auto
 
