@@ -24,6 +24,7 @@ each).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -134,21 +135,45 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 
 def implementation_list(text: str) -> list[str]:
-    """`--implementation`: registered dcmha_implementation names, comma-separated (also profile_shapes.py's)."""
+    """`--implementation`: registered dcmha_implementation names, comma-separated (also profile_shapes.py's);
+    "triton@TxS" is "triton" with tiles of T queries x S keys (powers of two from 16; default 16x16)."""
     names = text.split(",")
     known = set(implementation_names())
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if name.split("@")[0] not in known or ("@" in name and not triton_tiles(name))]
     if unknown:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a dcmha_implementation (known: {sorted(known)})")
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown)}: not a dcmha_implementation (known: {sorted(known)}, and triton@TxS with T and S "
+            "powers of two from 16)"
+        )
     return names
 
 
+def triton_tiles(name: str) -> tuple[int, int] | None:
+    """(T, S) of "triton@TxS", or None where `name` is not that."""
+    match = re.fullmatch(r"triton@(\d+)x(\d+)", name)
+    if not match:
+        return None
+    tiles = int(match.group(1)), int(match.group(2))
+    return tiles if all(n >= 16 and n & (n - 1) == 0 for n in tiles) else None
+
+
 def with_implementation(model, implementation: str, step):
-    """`step` run with the model's dcmha_implementation set to `implementation` (read at every attention call)."""
+    """`step` run with the model's dcmha_implementation set to `implementation` (read at every attention call);
+    "triton@TxS" sets the Triton kernels' tiles (`triton_kernel.BLOCK_T`, `BLOCK_S`) for the step and restores them."""
+    tiles = triton_tiles(implementation)
 
     def run():
-        model.config.dcmha_implementation = implementation
-        step()
+        model.config.dcmha_implementation = implementation.split("@")[0]
+        if tiles is None:
+            return step()
+        from modeling_dcformer import triton_kernel
+
+        saved = triton_kernel.BLOCK_T, triton_kernel.BLOCK_S
+        triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = tiles
+        try:
+            return step()
+        finally:
+            triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = saved
 
     return run
 

@@ -62,6 +62,13 @@ step 6.9b-bf16-decode 45 python3 $bench/profile_shapes.py --device cuda --preset
 # where the time goes (torch.profiler's kernel times)
 step 160m-bf16-profile 45 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
     --vocab 50304 --dtype bf16 --phases prefill,train --seq-len 1024 --batch 8 --repeats 3 --profile --rows 12 $dc
+# the Triton kernels' tiles (BLOCK_T queries x BLOCK_S keys; 16 x 16 by default): a tile that does not fit is left out
+step 160m-bf16-triton-tiles 60 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m \
+    --layers 12 --vocab 50304 --dtype bf16 --phases prefill,train --seq-len 1024 --batch 8 --repeats 3 \
+    --implementation triton,triton@32x16,triton@16x32,triton@32x32,triton@64x16
+step 6.9b-bf16-triton-tiles 45 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-6.9b \
+    --layers 4 --vocab 50432 --dtype bf16 --phases prefill,train --seq-len 2048 --repeats 3 \
+    --implementation triton,triton@32x16,triton@16x32
 step 160m-fp32 50 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-160m --layers 12 \
     --vocab 50304 --dtype fp32 --phases prefill,train --seq-len 1024 --batch 8 --repeats 5 $dc
 step 6.9b-fp32 50 python3 $bench/profile_shapes.py --device cuda --preset dcpythia-pythia-6.9b --layers 4 \

@@ -217,6 +217,31 @@ def test_profile_shapes_times_each_implementation_against_neox(monkeypatch, caps
                          r"+DC\[auto\]/NeoX [\d.]+$", line), line  # fmt: skip
 
 
+def test_profile_shapes_leaves_out_an_implementation_that_fails_and_times_the_rest(monkeypatch, capsys):
+    """A sweep (say, of Triton tiles on a GPU) must not lose its other columns to one that cannot run: the failing
+    implementation is named with its error and left out; a failing GPT-NeoX still stops the run."""
+    from modeling_dcformer.dcmha import DCMHABackend, DCMHAInterface
+
+    class Broken(DCMHABackend):
+        name = "broken"
+
+        def __call__(self, inputs, *, output_attentions=False, recompute=False):
+            raise ValueError("the Triton DCMHA kernels do not fit this GPU")
+
+    monkeypatch.setitem(DCMHAInterface._global_mapping, "broken", Broken())
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("profile_shapes", ROOT / "benchmarks" / "profile_shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--preset", "dcpythia-pythia-70m", "--layers", "1", "--vocab", "128", "--dtype", "fp32", "--seq-len", "16",
+            "--phases", "prefill", "--repeats", "1", "--implementation", "broken,eager"]  # fmt: skip
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "prefill: DC[broken] failed, left out: ValueError: the Triton DCMHA kernels do not fit this GPU" in out
+    line = next(line for line in out.splitlines() if line.strip().startswith("prefill") and "NeoX " in line)
+    assert re.search(r"NeoX +[\d.]+ ms +DC\[eager\] +[\d.]+ ms +DC\[eager\]/NeoX [\d.]+$", line), line
+
+
 def test_profile_shapes_times_single_decode_steps_against_a_cache(monkeypatch, capsys):
     """The "step" phase: one-token forward calls against the prompt's cache, cropped back after each, so every run
     sees the same cache (the cache's length is checked after the runs)."""
@@ -257,6 +282,37 @@ def test_bench_train_step_times_each_implementation_against_the_transformer(monk
     with pytest.raises(SystemExit):
         module.parse_args(["--implementation", "eager,nope"])
     assert "nope: not a dcmha_implementation" in capsys.readouterr().err
+
+
+def test_triton_at_tiles_sets_the_kernels_tiles_for_its_own_runs_only(capsys):
+    """`--implementation triton@32x16` (a GPU sweep of the Triton kernels' tiles): "triton" with BLOCK_T x BLOCK_S
+    = 32 x 16 while its step runs, the defaults restored after it, also when it fails; tiles that are not powers of
+    two from 16, or on another implementation, are argparse errors."""
+    from modeling_dcformer import triton_kernel
+
+    spec = importlib.util.spec_from_file_location("bench_train_step", ROOT / "benchmarks" / "bench_train_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.parse_args(["--implementation", "triton,triton@32x16"]).implementation == ["triton", "triton@32x16"]
+    for bad in ("triton@24x16", "triton@8x16", "eager@32x16", "triton@32"):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--implementation", bad])
+        assert f"{bad}: not a dcmha_implementation" in capsys.readouterr().err
+    defaults = triton_kernel.BLOCK_T, triton_kernel.BLOCK_S
+    model = type("Model", (), {"config": type("Config", (), {"dcmha_implementation": "auto"})()})()
+    seen = []
+    module.with_implementation(model, "triton@32x64", lambda: seen.append(
+        (model.config.dcmha_implementation, triton_kernel.BLOCK_T, triton_kernel.BLOCK_S)))()
+    module.with_implementation(model, "triton", lambda: seen.append(
+        (model.config.dcmha_implementation, triton_kernel.BLOCK_T, triton_kernel.BLOCK_S)))()
+    assert seen == [("triton", 32, 64), ("triton", *defaults)]
+
+    def fails():
+        raise ValueError("the Triton DCMHA kernels do not fit this GPU")
+
+    with pytest.raises(ValueError):
+        module.with_implementation(model, "triton@64x64", fails)()
+    assert (triton_kernel.BLOCK_T, triton_kernel.BLOCK_S) == defaults
 
 
 def cuda_check_steps() -> dict[str, list[str]]:

@@ -5,7 +5,7 @@ TRITON_INTERPRET=1): the same kernel code, the numbers checked, the speed not.
 - the attention of one layer against Compose -> mask -> softmax -> Compose -> @ v written from the spec in
   float64, and the gradients of q, k, v and every composition factor through it: ranks 1..3, groups, key-wise or
   query-wise, windows, padding (rows that see no key), head sizes and head counts that are not powers of two,
-  queries and keys offset (a cache), several blocks, a single query;
+  queries and keys offset (a cache), several blocks, a single query; tiles other than 16 x 16;
 - generate() against eager (the shared model checks are in test_dcmha_backends.py);
 - clear errors where it cannot run; the real compiler builds the kernels for a GPU target (no GPU needed).
 """
@@ -149,3 +149,13 @@ def test_kernels_compile_for_a_gpu_target_without_a_gpu():
     assert len(rows) == 1, run.stdout
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert int(cells[6]) > 0 and cells[7] == "yes", rows[0]
+
+
+@pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (32, 32)], ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("case", ["rank2-pad-window", "rank3-cached"])
+def test_other_tiles_match_the_oracle_too(case, blocks, monkeypatch):
+    """Tiles of BLOCK_T queries x BLOCK_S keys other than the default 16 x 16 (what `profile_shapes.py
+    --implementation triton@TxS` times on a GPU): the same numbers, forward and backward."""
+    monkeypatch.setattr(triton_kernel, "BLOCK_T", blocks[0])
+    monkeypatch.setattr(triton_kernel, "BLOCK_S", blocks[1])
+    test_triton_matches_oracle_forward_and_backward(case, False, monkeypatch)
