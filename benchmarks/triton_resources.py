@@ -3,6 +3,7 @@
 
     python benchmarks/triton_resources.py                                 # Pythia-160M and 6.9B heads, bf16, sm_90
     python benchmarks/triton_resources.py --heads 32 --head-dim 80 --dtype fp32 --arch 80
+    python benchmarks/triton_resources.py --heads 12 --head-dim 64 --tiles 16x16,32x16,16x32  # other tiles
 
 Compiles `_fwd`, `_bwd_rows` (both passes) and `_bwd_cols` of `modeling_dcformer/triton_kernel.py` with Triton's
 own compiler and ptxas (they ship with the `triton` wheel; no driver is needed) for each shape, with the block
@@ -40,7 +41,15 @@ def parse_args(argv=None):
     p.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT_KIB), help="compute capability")
     p.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
     p.add_argument("--warps", type=int, default=None, help="override the package's num_warps")
+    p.add_argument("--tiles", default=None,
+                   help="BLOCK_TxBLOCK_S tiles to compile, comma-separated (default: the package's, "
+                        f"{triton_kernel.BLOCK_T}x{triton_kernel.BLOCK_S}); each a power of two from 16")
     args = p.parse_args(argv)
+    args.tiles = [tuple(int(n) for n in t.split("x")) for t in (args.tiles or "").split(",") if t] or [
+        (triton_kernel.BLOCK_T, triton_kernel.BLOCK_S)]
+    for tile in args.tiles:
+        if len(tile) != 2 or any(n < 16 or n & (n - 1) for n in tile):
+            p.error(f"--tiles: {'x'.join(map(str, tile))} is not TxS with T and S powers of two from 16")
     args.heads = [int(x) for x in args.heads.split(",")]
     args.head_dim = [int(x) for x in args.head_dim.split(",")]
     if len(args.heads) != len(args.head_dim):
@@ -107,20 +116,29 @@ def main(argv=None) -> int:
     limit = SHARED_LIMIT_KIB[args.arch]
     print(f"- Triton {triton_kernel.triton.__version__}, sm_{args.arch} (shared memory per block: {limit} KiB), "
           f"{args.dtype}, rank {args.rank}")  # fmt: skip
-    print("| heads per group | head size | kernel | DK | DV | warps | shared (KiB) | fits | registers | stack (B) |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    print("| heads per group | head size | tile | kernel | DK | DV | warps | shared (KiB) | fits | registers | "
+          "stack (B) |")
+    print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
     too_big = 0
-    for heads, head_dim in zip(args.heads, args.head_dim):
-        for name in args.kernels:
-            start = time.perf_counter()
-            kernel, settings = compile_kernel(name, heads, head_dim, args.dtype, args.rank, args.arch, args.warps)
-            shared = kernel.metadata.shared / 1024
-            fits = shared <= limit
-            too_big += not fits
-            regs, stack = registers_and_stack(kernel)
-            print(f"| {heads} | {head_dim} | {name} | {settings['DK']} | {settings['DV']} | {settings['num_warps']} | "
-                  f"{shared:.0f} | {'yes' if fits else 'NO'} | {regs} | {stack} |", flush=True)  # fmt: skip
-            print(f"  ({name} compiled in {time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    defaults = triton_kernel.BLOCK_T, triton_kernel.BLOCK_S
+    try:
+        for heads, head_dim in zip(args.heads, args.head_dim):
+            for tile in args.tiles:
+                triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = tile  # what compile_kernel and block_settings read
+                for name in args.kernels:
+                    start = time.perf_counter()
+                    kernel, settings = compile_kernel(name, heads, head_dim, args.dtype, args.rank, args.arch,
+                                                      args.warps)
+                    shared = kernel.metadata.shared / 1024
+                    fits = shared <= limit
+                    too_big += not fits
+                    regs, stack = registers_and_stack(kernel)
+                    print(f"| {heads} | {head_dim} | {tile[0]}x{tile[1]} | {name} | {settings['DK']} | "
+                          f"{settings['DV']} | {settings['num_warps']} | {shared:.0f} | {'yes' if fits else 'NO'} | "
+                          f"{regs} | {stack} |", flush=True)  # fmt: skip
+                    print(f"  ({name} compiled in {time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    finally:
+        triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = defaults
     return 0 if too_big == 0 else 2
 
 

@@ -140,15 +140,19 @@ def test_a_program_too_big_for_the_gpu_is_a_clear_error(monkeypatch):
 
 def test_kernels_compile_for_a_gpu_target_without_a_gpu():
     """benchmarks/triton_resources.py: Triton's real compiler (not the interpreter) and ptxas build the forward
-    kernel for sm_90 here, and the table reports its shared memory within the limit."""
+    kernel for sm_90 here, at the package's tile and another, and the table reports its shared memory within the
+    limit; a tile that is not a power of two is an error naming it."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "triton_resources.py"
-    args = ["--heads", "3", "--head-dim", "40", "--kernels", "fwd", "--dtype", "bf16"]
+    args = ["--heads", "3", "--head-dim", "40", "--kernels", "fwd", "--dtype", "bf16", "--tiles", "16x16,32x16"]
     run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line for line in run.stdout.splitlines() if line.startswith("| 3 | 40 | fwd |")]
-    assert len(rows) == 1, run.stdout
-    cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    assert int(cells[6]) > 0 and cells[7] == "yes", rows[0]
+    for tile in ("16x16", "32x16"):
+        rows = [line for line in run.stdout.splitlines() if line.startswith(f"| 3 | 40 | {tile} | fwd |")]
+        assert len(rows) == 1, run.stdout
+        cells = [c.strip() for c in rows[0].strip("|").split("|")]
+        assert int(cells[7]) > 0 and cells[8] == "yes", rows[0]
+    run = subprocess.run([sys.executable, str(script), "--tiles", "24x16"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--tiles: 24x16 is not TxS" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (32, 32)], ids=lambda b: f"{b[0]}x{b[1]}")
