@@ -47,7 +47,6 @@ static inline float exp_nonpos(float x) {
 
 #define VW 16  /* lanes of a row's running maximum; a block's keys are rounded up to a multiple of it */
 
-/* Asks for the n floats at p in the cache (one request per 64-byte line) */
 /* A buffer of n floats whose first lies on a 64-byte cache line (vectors loaded from it never straddle two lines) */
 struct AlignedFloats {
     std::vector<float> storage;
@@ -57,6 +56,7 @@ struct AlignedFloats {
     }
 };
 
+/* Asks for the n floats at p in the cache (one request per 64-byte line) */
 static inline void prefetch_span(const float *p, int n) {
     for (int j = 0; j < n; j += 16) __builtin_prefetch(p + j, 1, 3);
 }
