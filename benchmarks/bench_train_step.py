@@ -24,6 +24,7 @@ each).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import statistics
 import time
@@ -148,32 +149,47 @@ def implementation_list(text: str) -> list[str]:
     return names
 
 
-def triton_tiles(name: str) -> tuple[int, int] | None:
-    """(T, S) of "triton@TxS", or None where `name` is not that."""
-    match = re.fullmatch(r"triton@(\d+)x(\d+)", name)
+def parse_tile(text: str) -> tuple[int, int] | None:
+    """(T, S) of a Triton tile "TxS" (T queries x S keys, each a power of two from 16), or None where `text` is not
+    one (also triton_resources.py's --tiles)."""
+    match = re.fullmatch(r"(\d+)x(\d+)", text)
     if not match:
         return None
-    tiles = int(match.group(1)), int(match.group(2))
-    return tiles if all(n >= 16 and n & (n - 1) == 0 for n in tiles) else None
+    tile = int(match.group(1)), int(match.group(2))
+    return tile if all(n >= 16 and n & (n - 1) == 0 for n in tile) else None
+
+
+def triton_tiles(name: str) -> tuple[int, int] | None:
+    """(T, S) of "triton@TxS", or None where `name` is not that."""
+    base, _, tile = name.partition("@")
+    return parse_tile(tile) if base == "triton" else None
+
+
+@contextlib.contextmanager
+def triton_tile(tile: tuple[int, int]):
+    """The Triton kernels' tiles (`triton_kernel.BLOCK_T`, `BLOCK_S`, read at every launch) set to `tile` inside the
+    block, restored after it (also when it raises)."""
+    from modeling_dcformer import triton_kernel
+
+    saved = triton_kernel.BLOCK_T, triton_kernel.BLOCK_S
+    triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = tile
+    try:
+        yield
+    finally:
+        triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = saved
 
 
 def with_implementation(model, implementation: str, step):
     """`step` run with the model's dcmha_implementation set to `implementation` (read at every attention call);
-    "triton@TxS" sets the Triton kernels' tiles (`triton_kernel.BLOCK_T`, `BLOCK_S`) for the step and restores them."""
+    "triton@TxS" sets the Triton kernels' tiles for the step (`triton_tile`)."""
     tiles = triton_tiles(implementation)
 
     def run():
         model.config.dcmha_implementation = implementation.split("@")[0]
         if tiles is None:
             return step()
-        from modeling_dcformer import triton_kernel
-
-        saved = triton_kernel.BLOCK_T, triton_kernel.BLOCK_S
-        triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = tiles
-        try:
+        with triton_tile(tiles):
             return step()
-        finally:
-            triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = saved
 
     return run
 

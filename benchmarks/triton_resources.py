@@ -27,6 +27,8 @@ os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpret
 
 from modeling_dcformer import triton_kernel  # noqa: E402
 
+from bench_train_step import parse_tile, triton_tile  # noqa: E402  (benchmarks/ is on sys.path, as for profile_shapes)
+
 # usable shared memory per block (KiB) by compute capability
 SHARED_LIMIT_KIB = {80: 163, 86: 99, 89: 99, 90: 227}
 KERNELS = ("fwd", "bwd_stats", "bwd_rows", "bwd_cols")
@@ -45,11 +47,11 @@ def parse_args(argv=None):
                    help="BLOCK_TxBLOCK_S tiles to compile, comma-separated (default: the package's, "
                         f"{triton_kernel.BLOCK_T}x{triton_kernel.BLOCK_S}); each a power of two from 16")
     args = p.parse_args(argv)
-    args.tiles = [tuple(int(n) for n in t.split("x")) for t in (args.tiles or "").split(",") if t] or [
-        (triton_kernel.BLOCK_T, triton_kernel.BLOCK_S)]
-    for tile in args.tiles:
-        if len(tile) != 2 or any(n < 16 or n & (n - 1) for n in tile):
-            p.error(f"--tiles: {'x'.join(map(str, tile))} is not TxS with T and S powers of two from 16")
+    texts = (args.tiles or "").split(",")
+    bad = [text for text in texts if text and parse_tile(text) is None]
+    if bad:
+        p.error(f"--tiles: {', '.join(bad)} is not TxS with T and S powers of two from 16")
+    args.tiles = [parse_tile(text) for text in texts if text] or [(triton_kernel.BLOCK_T, triton_kernel.BLOCK_S)]
     args.heads = [int(x) for x in args.heads.split(",")]
     args.head_dim = [int(x) for x in args.head_dim.split(",")]
     if len(args.heads) != len(args.head_dim):
@@ -120,11 +122,9 @@ def main(argv=None) -> int:
           "stack (B) |")
     print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
     too_big = 0
-    defaults = triton_kernel.BLOCK_T, triton_kernel.BLOCK_S
-    try:
-        for heads, head_dim in zip(args.heads, args.head_dim):
-            for tile in args.tiles:
-                triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = tile  # what compile_kernel and block_settings read
+    for heads, head_dim in zip(args.heads, args.head_dim):
+        for tile in args.tiles:
+            with triton_tile(tile):  # what compile_kernel and block_settings read
                 for name in args.kernels:
                     start = time.perf_counter()
                     kernel, settings = compile_kernel(name, heads, head_dim, args.dtype, args.rank, args.arch,
@@ -137,8 +137,6 @@ def main(argv=None) -> int:
                           f"{settings['DV']} | {settings['num_warps']} | {shared:.0f} | {'yes' if fits else 'NO'} | "
                           f"{regs} | {stack} |", flush=True)  # fmt: skip
                     print(f"  ({name} compiled in {time.perf_counter() - start:.1f} s)", file=sys.stderr)
-    finally:
-        triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = defaults
     return 0 if too_big == 0 else 2
 
 
