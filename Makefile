@@ -8,9 +8,11 @@ TORCH ?= torch==2.13.0
 install-torch:
 	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q "torch>=2.5,<3"
 
-# Everything the tests use: the test tools (triton for the kernel tests), lm-eval, and the training extra.
+# Everything the tests use: the test tools (triton for the kernel tests), lm-eval, the training extra, and the research
+# code (research/, its own distribution) that examples/compare_small.py and its tests import.
 install: install-torch
 	$(PY) -m pip install -q -e ".[test,eval,train]"
+	$(PY) -m pip install -q -e research
 
 # Only what the demo runs (the `demo` extra: lm-eval and datasets), not the test tools or triton.
 install-demo: install-torch

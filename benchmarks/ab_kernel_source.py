@@ -2,8 +2,8 @@
 """The CPU kernel's two chunk operators built from two or more C++ sources, timed in one process, interleaved.
 
 Timing a kernel change by running a benchmark once per build does not work on a shared machine: the same unchanged
-operator measured 2.8 to 5.3 ns a head-score from one process to the next (docs/performance.md, round 9), more than
-most changes are worth. This script builds each source (`modeling_dcformer/csrc/dcmha_cpu.cpp` by default, or a
+operator measured 2.8 to 5.3 ns a head-score from one process to the next (docs/performance.md), more than
+most changes are worth. This script builds each source (`modeling_dcformer/kernels/csrc/dcmha_cpu.cpp` by default, or a
 copy you edited) under its own operator namespace, loads all of them into one process, and times
 `compose_softmax_compose_` (forward) and `compose_softmax_compose_backward_` (backward) of each on the same
 random chunk, the variants' calls interleaved (A B C, then C B A, ...). Per chunk shape it prints each variant's
@@ -15,15 +15,15 @@ A source may carry extra compiler flags after colons: `my.cpp:-DBWD_ROWS=32`. Gi
 with a trailing comment, so that it builds anew) to see this machine's noise between builds: ratios within a few
 percent of 1.00 are noise. The chunk shape is batch x heads x queries x keys, one group, rank 2, causal, the chunk
 at the end of the keys (as a training step's last chunk). The forward operator gets the scores laid out as the
-model lays them out (`--layout staggered`, `cpu_kernel.score_layout`) or contiguous (`--layout contiguous`, what
-sources before round 12 take); a variant's own `@layout` suffix overrides it (`old.cpp@contiguous`), and
-`@staggeredN` lays the heads N floats apart modulo 4 KiB instead of `cpu_kernel.HEAD_STAGGER`, for a source whose
-block stride is N (`old.cpp@staggered136`: sources before round 15).
+model lays them out (`--layout staggered`, `dcmha_cpu.score_layout`) or contiguous (`--layout contiguous`, what
+sources that compose on copies take); a variant's own `@layout` suffix overrides it (`old.cpp@contiguous`), and
+`@staggeredN` lays the heads N floats apart modulo 4 KiB instead of `dcmha_cpu.HEAD_STAGGER`, for a source whose
+block stride is N (`old.cpp@staggered136`: a source whose buffers' rows are 136 floats apart).
 
-    python benchmarks/ab_kernel_source.py modeling_dcformer/csrc/dcmha_cpu.cpp /tmp/variant.cpp
+    python benchmarks/ab_kernel_source.py modeling_dcformer/kernels/csrc/dcmha_cpu.cpp /tmp/variant.cpp
     python benchmarks/ab_kernel_source.py a.cpp a.cpp:-DBWD_ROWS=32 --shapes 1x12x64x1024,16x8x64x128 --repeats 9
-    python benchmarks/ab_kernel_source.py /tmp/old.cpp@contiguous modeling_dcformer/csrc/dcmha_cpu.cpp
-    python benchmarks/ab_kernel_source.py /tmp/round14.cpp@staggered136 modeling_dcformer/csrc/dcmha_cpu.cpp
+    python benchmarks/ab_kernel_source.py /tmp/old.cpp@contiguous modeling_dcformer/kernels/csrc/dcmha_cpu.cpp
+    python benchmarks/ab_kernel_source.py /tmp/old.cpp@staggered136 modeling_dcformer/kernels/csrc/dcmha_cpu.cpp
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from modeling_dcformer import cpu_kernel
+from modeling_dcformer.kernels import build as kernel_build
+from modeling_dcformer.kernels import dcmha_cpu
 
 DEFAULT_SHAPES = "1x12x64x1024,16x8x64x128,16x4x64x128"
 RANK = 2
@@ -61,8 +62,8 @@ def laid_out(raw: torch.Tensor, layout: str) -> torch.Tensor:
     """A copy of the chunk's scores [B, N, c, s] in `layout`."""
     if layout == "contiguous":
         return raw.clone()
-    stagger = int(layout[len("staggered"):] or cpu_kernel.HEAD_STAGGER)  # "staggered" or "staggeredN"
-    size, strides = cpu_kernel.score_layout(*raw.shape, stagger=stagger)
+    stagger = int(layout[len("staggered"):] or dcmha_cpu.HEAD_STAGGER)  # "staggered" or "staggeredN"
+    size, strides = dcmha_cpu.score_layout(*raw.shape, stagger=stagger)
     scores = torch.empty(size).as_strided(raw.shape, strides)
     return scores.copy_(raw)
 
@@ -90,7 +91,7 @@ def renamed_source(text: str, namespace: str) -> str:
 
 def build(spec: str, source_root: Path):
     """Builds (or reuses) the variant `spec` ("path[:flag...]") and returns its operator namespace: its source,
-    renamed, is written under `source_root`, and built like the kernel itself (`cpu_kernel.CPUKernelBackend`: the
+    renamed, is written under `source_root`, and built like the kernel itself (`build.OperatorLibrary`: the
     kernel cache, a verified build reused by later runs, one build at a time)."""
     path, *flags = spec.split(":")
     source = Path(path)
@@ -101,8 +102,8 @@ def build(spec: str, source_root: Path):
     copy = source_root / f"{namespace}.cpp"
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(renamed_source(text, namespace))
-    cpu_kernel.KERNEL.load()  # a backend's load ends by registering the dcformer operators' fakes: they must exist
-    cpu_kernel.CPUKernelBackend(copy, cflags=[*cpu_kernel.CFLAGS, *flags]).load()
+    dcmha_cpu.CPU.prepare()  # the kernel's own operators (and their fakes) first
+    kernel_build.OperatorLibrary(copy, cflags=[*kernel_build.CFLAGS, *flags]).load()
     return getattr(torch.ops, namespace)
 
 
@@ -125,7 +126,7 @@ def head_scores(shape) -> float:
 
 def run_forward(ops, x, c, s, layout="staggered"):
     scores = laid_out(x["raw"], layout)
-    rows = cpu_kernel.rows_per_tile(scores.shape[1], s)  # as the model's calls tile it
+    rows = dcmha_cpu.rows_per_tile(scores.shape[1], s)  # as the model's calls tile it
     start = time.process_time()
     ops.compose_softmax_compose_(scores, x["query_terms"], s - c, x["key_terms"], 0, None, s - c, 0, 0, 0.125, RANK,
                                  1, rows, False)  # fmt: skip
@@ -184,17 +185,17 @@ def print_rows(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sources", nargs="*", default=[str(cpu_kernel.SOURCE)],
+    parser.add_argument("sources", nargs="*", default=[str(dcmha_cpu.SOURCE)],
                         help="kernel sources, each optionally followed by :compiler flags (the first is the baseline)")
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
                         help=f"chunks, BxNxCxS comma-separated (default {DEFAULT_SHAPES})")
     parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds per shape (default 9)")
-    parser.add_argument("--source-dir", type=Path, default=cpu_kernel.cache_dir() / "ab",
+    parser.add_argument("--source-dir", type=Path, default=kernel_build.cache_dir() / "ab",
                         help="where the variants' renamed sources are written (default: the kernel cache's ab/); "
                         "they are built into the kernel cache like the kernel")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--layout", choices=LAYOUTS, default="staggered",
-                        help="the forward operator's scores: laid out as the model's chunks (cpu_kernel.score_layout) "
+                        help="the forward operator's scores: laid out as the model's chunks (dcmha_cpu.score_layout) "
                         "or contiguous; a variant's @layout suffix overrides it (default staggered)")
     args = parser.parse_args(argv)
     if args.repeats < 1:

@@ -12,8 +12,8 @@ What is timed, per sequence length T (batch `--batch-size`, causal, every layer 
     fwd+bwd      the same in training mode (chunks recomputed in the backward pass as the model does), loss = sum
 Each implementation is warmed up (for "compiled": compiled) before timing; the median of `--repeats` runs is
 printed with the ratio DCMHA / SDPA. The first call's time of "compiled" (the compilation) is printed apart.
-"kernel" (the C kernel, `modeling_dcformer/cpu_kernel.py`) computes no gradients: its fwd+bwd cell is "-" (a
-training step with "auto" runs "compiled"). "triton" (`modeling_dcformer/triton_kernel.py`) needs CUDA (the default
+"cpu" (the C kernel, `modeling_dcformer/kernels/dcmha_cpu.py`) computes no gradients: its fwd+bwd cell is "-" (a
+training step with "auto" runs "compiled"). "triton" (`modeling_dcformer/kernels/dcmha_triton.py`) needs CUDA (the default
 on `--device cuda`) and Triton; it has no chunks, so `--chunk` does not apply to it.
 """
 
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=None, help="make the layer local with this window")
     p.add_argument("--chunk", type=int, default=DCFormerConfig.attention_chunk_size, help="attention_chunk_size (default: the config's)")
     p.add_argument("--implementations", default=None,
-                   help="comma-separated (default: eager,compiled,kernel on CPU; eager,compiled,triton on CUDA)")
+                   help="comma-separated (default: eager,compiled,cpu on CPU; eager,compiled,triton on CUDA)")
     p.add_argument("--phases", default="forward,fwd+bwd")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: stable ratios on a shared machine)")
@@ -59,11 +59,11 @@ def parse_args(argv=None):
     if not args.seq_lens or min(args.seq_lens) < 1:
         p.error("--seq-lens must list positive integers")
     if args.implementations is None:
-        args.implementations = "eager,compiled," + ("triton" if args.device.startswith("cuda") else "kernel")
+        args.implementations = "eager,compiled," + ("triton" if args.device.startswith("cuda") else "cpu")
     args.implementations = [i.strip() for i in args.implementations.split(",") if i.strip()]
     for impl in args.implementations:
-        if impl not in ("eager", "compiled", "kernel", "triton"):
-            p.error(f"--implementations: unknown {impl!r} (eager, compiled, kernel, triton)")
+        if impl not in ("eager", "compiled", "cpu", "triton"):
+            p.error(f"--implementations: unknown {impl!r} (eager, compiled, cpu, triton)")
     args.phases = [ph.strip() for ph in args.phases.split(",") if ph.strip()]
     for ph in args.phases:
         if ph not in ("forward", "fwd+bwd"):
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
             t_base = timed(base, device, args.repeats)
             cells = []
             for impl in args.implementations:
-                if impl == "kernel" and phase != "forward":
+                if impl == "cpu" and phase != "forward":
                     cells.append("- | -")
                     continue
                 config.dcmha_implementation = impl

@@ -146,8 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "global. Default: the preset's own setting")
     p.add_argument("--window-type", default=None, help="window pattern with --window (None: 'LG', even layers local)")
     p.add_argument("--qk-norm", choices=("on", "off"), default=None, help="override the preset's qk-norm")
-    p.add_argument("--dcmha-implementation", choices=("auto", "eager", "compiled", "kernel"), default=None,
-                   help="DCFormerConfig.dcmha_implementation (default: the preset's, 'auto'; 'kernel' computes no "
+    p.add_argument("--dcmha-implementation", choices=("auto", "eager", "compiled", "cpu"), default=None,
+                   help="DCFormerConfig.dcmha_implementation (default: the preset's, 'auto'; 'cpu' computes no "
                         "gradients: prefill and decode only)")
     p.add_argument("--attention-chunk-size", type=int, default=None,
                    help="DCFormerConfig.attention_chunk_size (default: the preset's)")
@@ -190,8 +190,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.phases) - set(PHASES)
     if unknown:
         p.error(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
-    if args.dcmha_implementation == "kernel" and ("train" in args.phases or args.sweep):
-        p.error("--dcmha-implementation kernel computes no gradients: use it with --phases prefill,decode")
+    if args.dcmha_implementation == "cpu" and ("train" in args.phases or args.sweep):
+        p.error("--dcmha-implementation cpu computes no gradients: use it with --phases prefill,decode")
     if args.compile_static:
         if args.phases != ["decode"] or args.sweep:
             p.error("--compile-static measures decoding: use it with --phases decode (and without --sweep)")

@@ -311,7 +311,7 @@ def converter_command() -> list[str]:
     if os.path.isfile(script):
         return [script]
     found = shutil.which("dcformer-convert-pythia")
-    return [found] if found else [sys.executable, "-m", "modeling_dcformer.conversion.pythia_to_dcpythia"]
+    return [found] if found else [sys.executable, "-m", "modeling_dcformer.conversion.pythia"]
 
 
 def folder_bytes(path: str) -> int:

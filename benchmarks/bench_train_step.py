@@ -11,12 +11,12 @@ One step = forward with the loss on every token, backward, AdamW step (lr 3e-3, 
 zero_grad. Both models live in one process on `--threads` torch threads (default 1); after `--warmup` steps each,
 `--repeats` steps of each run interleaved (A B B A ...), and the medians are compared. Prints, per size, both
 medians and DCFormer/Transformer (the time ratio: 2.0 means DCFormer trains at half the Transformer's throughput).
-`--profile` prints torch.profiler's top ops of one DCFormer step per size. `--implementation compiled,kernel`
+`--profile` prints torch.profiler's top ops of one DCFormer step per size. `--implementation compiled,cpu`
 times one DCFormer model with each dcmha_implementation in turn, all interleaved with the Transformer (one column
 each).
 
     python benchmarks/bench_train_step.py                    # the three sizes
-    python benchmarks/bench_train_step.py --implementation compiled,kernel
+    python benchmarks/bench_train_step.py --implementation compiled,cpu
     python benchmarks/bench_train_step.py --sizes 128/4 --profile
     python benchmarks/bench_train_step.py --device cuda     # fp32 on the GPU (kernels waited for around each step)
 """
@@ -167,16 +167,16 @@ def triton_tiles(name: str) -> tuple[int, int] | None:
 
 @contextlib.contextmanager
 def triton_tile(tile: tuple[int, int]):
-    """The Triton kernels' tiles (`triton_kernel.BLOCK_T`, `BLOCK_S`, read at every launch) set to `tile` inside the
+    """The Triton kernels' tiles (`dcmha_triton.BLOCK_T`, `BLOCK_S`, read at every launch) set to `tile` inside the
     block, restored after it (also when it raises)."""
-    from modeling_dcformer import triton_kernel
+    from modeling_dcformer.kernels import dcmha_triton
 
-    saved = triton_kernel.BLOCK_T, triton_kernel.BLOCK_S
-    triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = tile
+    saved = dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S
+    dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S = tile
     try:
         yield
     finally:
-        triton_kernel.BLOCK_T, triton_kernel.BLOCK_S = saved
+        dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S = saved
 
 
 def with_implementation(model, implementation: str, step):

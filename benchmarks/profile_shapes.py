@@ -9,7 +9,7 @@ time, or kernel time on CUDA), which is what docs/performance.md quotes; `--ops`
 calls of one run (on any device: each is at least one kernel launch on a GPU, where small models are launch-bound).
 `--parts` splits the timed runs' forward wall time by part of the decoder layers (forward hooks on every layer's
 attention, its projections and MLP): where DCFormer's extra time is, without the profiler's per-op overhead, which
-changes the ratio it measures (docs/performance.md, round 11).
+changes the ratio it measures (docs/performance.md).
 
     python benchmarks/profile_shapes.py --preset dcpythia-pythia-6.9b --layers 2 --vocab 1024 --dtype bf16
     python benchmarks/profile_shapes.py --preset dcpythia-pythia-70m --seq-len 1024 --phases prefill,train --profile

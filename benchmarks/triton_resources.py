@@ -5,7 +5,7 @@
     python benchmarks/triton_resources.py --heads 32 --head-dim 80 --dtype fp32 --arch 80
     python benchmarks/triton_resources.py --heads 12 --head-dim 64 --tiles 16x16,32x16,16x32  # other tiles
 
-Compiles `_fwd`, `_bwd_rows` (both passes) and `_bwd_cols` of `modeling_dcformer/triton_kernel.py` with Triton's
+Compiles `_fwd`, `_bwd_rows` (both passes) and `_bwd_cols` of `modeling_dcformer/kernels/dcmha_triton.py` with Triton's
 own compiler and ptxas (they ship with the `triton` wheel; no driver is needed) for each shape, with the block
 settings the package uses (`block_settings`), and prints the shared memory of one program against the GPU's
 limit, and from the cubin (the bundled `cuobjdump`) the registers per thread and the stack bytes per thread
@@ -25,7 +25,7 @@ import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
 
-from modeling_dcformer import triton_kernel  # noqa: E402
+from modeling_dcformer.kernels import dcmha_triton  # noqa: E402
 
 from bench_train_step import parse_tile, triton_tile  # noqa: E402  (benchmarks/ is on sys.path, as for profile_shapes)
 
@@ -45,13 +45,13 @@ def parse_args(argv=None):
     p.add_argument("--warps", type=int, default=None, help="override the package's num_warps")
     p.add_argument("--tiles", default=None,
                    help="BLOCK_TxBLOCK_S tiles to compile, comma-separated (default: the package's, "
-                        f"{triton_kernel.BLOCK_T}x{triton_kernel.BLOCK_S}); each a power of two from 16")
+                        f"{dcmha_triton.BLOCK_T}x{dcmha_triton.BLOCK_S}); each a power of two from 16")
     args = p.parse_args(argv)
     texts = (args.tiles or "").split(",")
     bad = [text for text in texts if text and parse_tile(text) is None]
     if bad:
         p.error(f"--tiles: {', '.join(bad)} is not TxS with T and S powers of two from 16")
-    args.tiles = [parse_tile(text) for text in texts if text] or [(triton_kernel.BLOCK_T, triton_kernel.BLOCK_S)]
+    args.tiles = [parse_tile(text) for text in texts if text] or [(dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S)]
     args.heads = [int(x) for x in args.heads.split(",")]
     args.head_dim = [int(x) for x in args.head_dim.split(",")]
     if len(args.heads) != len(args.head_dim):
@@ -70,15 +70,15 @@ def compile_kernel(name: str, heads: int, head_dim: int, dtype: str, rank: int, 
     from triton.compiler import ASTSource
 
     MP, DHP = max(2, triton.next_power_of_2(heads)), max(16, triton.next_power_of_2(head_dim))
-    settings = triton_kernel.block_settings(MP, DHP)
+    settings = dcmha_triton.block_settings(MP, DHP)
     if warps is not None:
         settings["num_warps"] = warps
     consts = dict(
         I=rank, HAS_KEY=True, HAS_PAD=True, HAS_WINDOW=True, MP=MP, DHP=DHP, DK=settings["DK"], DV=settings["DV"],
-        BT=triton_kernel.BLOCK_T, BS=triton_kernel.BLOCK_S, PRECISION="ieee",
+        BT=dcmha_triton.BLOCK_T, BS=dcmha_triton.BLOCK_S, PRECISION="ieee",
     )  # fmt: skip
-    fn = {"fwd": triton_kernel._fwd, "bwd_cols": triton_kernel._bwd_cols}.get(name, triton_kernel._bwd_rows)
-    if fn is triton_kernel._bwd_rows:
+    fn = {"fwd": dcmha_triton._fwd, "bwd_cols": dcmha_triton._bwd_cols}.get(name, dcmha_triton._bwd_rows)
+    if fn is dcmha_triton._bwd_rows:
         consts["STATS"] = name == "bwd_stats"
     activations = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "do_ptr")
 
@@ -112,11 +112,11 @@ def registers_and_stack(kernel) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if triton_kernel.triton is None:
+    if dcmha_triton.triton is None:
         print("Triton is not installed (pip install triton)", file=sys.stderr)
         return 1
     limit = SHARED_LIMIT_KIB[args.arch]
-    print(f"- Triton {triton_kernel.triton.__version__}, sm_{args.arch} (shared memory per block: {limit} KiB), "
+    print(f"- Triton {dcmha_triton.triton.__version__}, sm_{args.arch} (shared memory per block: {limit} KiB), "
           f"{args.dtype}, rank {args.rank}")  # fmt: skip
     print("| heads per group | head size | tile | kernel | DK | DV | warps | shared (KiB) | fits | registers | "
           "stack (B) |")

@@ -2,7 +2,6 @@
 safetensors shards, and producing the output directory atomically (all or nothing)."""
 
 import errno
-import hashlib
 import json
 import os
 import pickle
@@ -18,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers.utils import logging
 
-from modeling_dcformer import atomic_dir
+from modeling_dcformer.checkpoints import atomic_dir
 
 logger = logging.get_logger("dcformer.conversion")
 
@@ -362,55 +361,6 @@ def source_provenance(src: str, src_dir: Path, revision: str | None = None) -> d
     )
 
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
-
-
-def safetensors_index(path: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
-    """name -> (dtype, shape, first byte, end byte) of every tensor of a safetensors file, from its header."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    return {
-        name: (SAFETENSORS_DTYPES[info["dtype"]], info["shape"], 8 + size + info["data_offsets"][0],
-               8 + size + info["data_offsets"][1])
-        for name, info in header.items()
-    }  # fmt: skip
-
-
-def checkpoint_fingerprint(directory: Path, config) -> str:
-    """sha256 of the weights a DCFormer checkpoint loads as, in `model_card.weights_fingerprint`'s scheme (each
-    tensor of the model's state dict in name order: name, dtype, shape, bytes; in `config.dtype`, which
-    `from_pretrained` loads; a tied head is the embedding). Read from the files with plain reads, one tensor in
-    memory at a time (no memory map that would stay resident), so that a model card can tell whether a model saved
-    later still holds exactly the converted weights."""
-    from modeling_dcformer import DCFormerForCausalLM
-
-    with torch.device("meta"):
-        names = sorted(DCFormerForCausalLM(config).state_dict())
-    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))
-    where = {}
-    for file in weight_files(directory):
-        where.update({key: (file, entry) for key, entry in safetensors_index(file).items()})
-    digest = hashlib.sha256()
-    for name in names:
-        stored = "model.embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
-        file, (stored_dtype, shape, begin, end) = where[stored]
-        with open(file, "rb") as f:
-            f.seek(begin)
-            data = bytearray(f.read(end - begin))
-        if stored_dtype != dtype:
-            tensor = torch.frombuffer(data, dtype=stored_dtype).to(dtype) if data else torch.empty(0, dtype=dtype)
-            data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
-        digest.update(f"{name} {dtype} {tuple(shape)}\n".encode())
-        digest.update(data)
-    return "sha256:" + digest.hexdigest()
-
-
 def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
@@ -443,7 +393,7 @@ def add_hub_arguments(parser, default_license: str | None) -> None:
 def write_shareable(directory: Path, config, name: str, repo_id: str | None = None, **card_kwargs) -> None:
     """Make a converted directory (holding its config.json) loadable without this package and describe it: the
     remote code with `auto_map`, and the model card (`card_kwargs`: `license`, `base_model`, ...)."""
-    from modeling_dcformer.hub import write_model_card, write_remote_code
+    from modeling_dcformer.publishing import write_model_card, write_remote_code
 
     write_remote_code(directory)
     write_model_card(directory, config, model_name=(repo_id or name).split("/")[-1], repo_id=repo_id, **card_kwargs)
@@ -453,7 +403,7 @@ def push_output(directory: Path, repo_id: str, private: bool = False, token: str
     """Upload a finished output directory. A failed upload leaves it in place and raises `hub.HubUploadError` (the
     error `save_pretrained(push_to_hub=True)` raises), whose one-line message names the directory, the failure and the
     `hf upload` command that retries just the upload."""
-    from modeling_dcformer.hub import HubUploadError, push_folder
+    from modeling_dcformer.publishing import HubUploadError, push_folder
 
     try:
         info = push_folder(directory, repo_id, private=private or None, token=token, commit_message=message or None)

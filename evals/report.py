@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from modeling_dcformer.publishing.eval_results import finite_number
 
 PREFERRED_TASKS = ("lambada_openai", "piqa", "hellaswag")
 PREFERRED_METRICS = ("acc", "acc_norm", "perplexity")
@@ -45,16 +46,6 @@ class Row:
 def canonical_task(task: str) -> str:
     """The upstream task a column stands for: our offline copies are named `<upstream>_local`."""
     return task[: -len("_local")] if task.endswith("_local") else task
-
-
-def _number(value) -> float | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
 
 
 def _is_fraction_metric(metric: str) -> bool:
@@ -103,7 +94,7 @@ def metrics_of(task_results: dict) -> dict[str, tuple[float, float | None]]:
         target = stderrs if metric.endswith("_stderr") else values
         metric = metric[: -len("_stderr")] if metric.endswith("_stderr") else metric
         name = metric if filt == "none" else f"{metric},{filt}"
-        number = _number(value)
+        number = finite_number(value)
         if number is not None:
             target[name] = number
     return {name: (value, stderrs.get(name)) for name, value in values.items()}
@@ -126,7 +117,7 @@ def load_results(inputs: Sequence[str]) -> list[Row]:
                 raise ValueError(f"{file}: not JSON ({err})") from None
             if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
                 raise ValueError(f"{file}: not an lm-eval results file (no 'results' mapping)")
-            dated.append((_number(data.get("date")) or file.stat().st_mtime, file, data))
+            dated.append((finite_number(data.get("date")) or file.stat().st_mtime, file, data))
         for _, file, data in sorted(dated, key=lambda item: item[0]):  # newest last: it wins per task
             name = label or default_label(data, file)
             row = rows.setdefault(name, Row(name))
@@ -173,7 +164,7 @@ def load_published(path: str | os.PathLike) -> list[Row]:
         for task, metrics in (entry.get("results") or {}).items():
             for metric, raw in (metrics or {}).items():
                 value, stderr = (raw.get("value"), raw.get("stderr")) if isinstance(raw, dict) else (raw, None)
-                value, stderr = _number(value), _number(stderr)
+                value, stderr = finite_number(value), finite_number(stderr)
                 if value is None:
                     continue
                 if _is_fraction_metric(metric) and value > 1:  # a percentage
@@ -219,7 +210,7 @@ def cell_value(row: Row, task: str, metric: str) -> tuple[float, float | None] |
     return metrics.get(metric)
 
 
-def format_number(value: float, metric: str) -> str:
+def formatfinite_number(value: float, metric: str) -> str:
     if _is_fraction_metric(metric):
         return f"{value:.4f}"
     if abs(value) >= 1e5:
@@ -231,8 +222,8 @@ def format_cell(cell: tuple[float, float | None] | None, metric: str) -> str:
     if cell is None:
         return "–"
     value, stderr = cell
-    text = format_number(value, metric)
-    return f"{text} ± {format_number(stderr, metric)}" if stderr is not None else text
+    text = formatfinite_number(value, metric)
+    return f"{text} ± {formatfinite_number(stderr, metric)}" if stderr is not None else text
 
 
 def arrow(metric: str) -> str:

@@ -50,11 +50,11 @@ Writes into `--out` (default `compare_out/`): `results.md` (tables), `results.js
 every run), `curves.png` (validation curves, mean over seeds with the min-max band), `dyn_norms.png` (the dynamic
 terms over training); with `--sizes`, one folder per size and `scaling.md`, `scaling.json`, `scaling.png`.
 
-The code is in the package: `modeling_dcformer.experiments.compare` (this command line), `.ablation` (the models
+The code is in the package: `dcformer_research.compare` (this command line), `.ablation` (the models
 and ablation variants), `.runner` (one training run and the data), `.report` (statistics, tables, plots).
 """
 
-from modeling_dcformer.experiments.compare import main
+from dcformer_research.compare import main
 
 if __name__ == "__main__":
     main()

@@ -26,7 +26,7 @@ With its defaults nothing is downloaded; every step is the real-size path run on
 8. A summary table (also OUTPUT_DIR/summary.json, written last: a directory without it is unfinished), and the
    DCFormer/GPT-NeoX ratios of `benchmarks/bench_model.py --quick` (a subprocess: it forks).
 
-Steps 1-7 are functions of `modeling_dcformer.experiments.pipeline`; this script chains them and reports.
+Steps 1-7 are functions of `modeling_dcformer.demo.pipeline`; this script chains them and reports.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap stderr in
 import torch
 from transformers.utils import logging as hf_logging
 
-from modeling_dcformer.experiments.pipeline import (
+from modeling_dcformer.demo.pipeline import (
     build_tiny_pythia,
     check_inputs,
     convert,
@@ -65,7 +65,7 @@ from modeling_dcformer.experiments.pipeline import (
     save,
     source_name,
 )
-from modeling_dcformer.experiments.tokenizer_utils import read_lines
+from modeling_dcformer.training.tokenizer import read_lines
 
 logger = hf_logging.get_logger("dcformer.demo")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Causal-LM training of DCFormer with the `transformers` Trainer: the console script `dcformer-train` as a file,
 for launchers that take a script (`accelerate launch`, `torchrun`). Everything it does, and every flag, is in
-`modeling_dcformer.experiments.train_clm` (`dcformer-train --help`).
+`modeling_dcformer.training.train_clm` (`dcformer-train --help`).
 
     python examples/train_clm.py --config_name dcformer-tiny --new_tokenizer_vocab_size 512 \
         --train_file examples/data/harbour_train.txt --validation_file examples/data/harbour_validation.txt \
@@ -13,7 +13,7 @@ for launchers that take a script (`accelerate launch`, `torchrun`). Everything i
 
 import sys
 
-from modeling_dcformer.experiments.train_clm import cli
+from modeling_dcformer.training.train_clm import cli
 
 if __name__ == "__main__":
     sys.exit(cli())

@@ -1,19 +1,29 @@
 """DCFormer (DCMHA) for Hugging Face transformers.
 
-Importing this package registers model_type "dcformer" (and the released "dcpythia" config) with transformers'
-Auto classes, and the classes for `register_for_auto_class`, so that a save carries them as remote code. It changes
-nothing in other libraries: LoRA targets are named in `LoraConfig` (`target_modules="all-linear"` or
+The flat modules here are the model, its config, cache and the DCMHA interface with its pure-PyTorch backends: what
+a save carries as remote code. Importing the package adds what only it has, through public interfaces:
+
+- the Auto classes know model_type "dcformer" (and the released "dcpythia" config), and `register_for_auto_class`
+  makes a save carry the classes as remote code;
+- the DCMHA registry gets the kernels "cpu" and "triton" (`kernels/`);
+- the flat modules' one link to the package (`configuration_dcformer.PACKAGE`) gets the released checkpoint layout
+  and guarded loading (`checkpoints/`), saving, cards and uploads (`publishing/`) and the presets (`configuration/`).
+
+Nothing in other libraries changes: LoRA targets are named in `LoraConfig` (`target_modules="all-linear"` or
 `LORA_TARGET_MODULES`), and Trainer's model card is merged into DCFormer's by
-`modeling_dcformer.trainer.DCFormerTrainer`.
+`modeling_dcformer.publishing.trainer.DCFormerTrainer`.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from . import configuration, publishing
 from .cache_dcformer import DCFormerCache
-from .configuration_dcformer import DCFormerConfig
+from .checkpoints import loading, released_format
+from .checkpoints.released_format import DCPythiaConfig
+from .configuration_dcformer import PACKAGE, DCFormerConfig
 from .dcmha import DCMHA_BACKENDS, DCMHABackend, DCMHAInputs, DCMHAInterface
+from .kernels import CPU, TRITON
 from .modeling_dcformer import DCFormerForCausalLM, DCFormerModel, DCFormerPreTrainedModel
-from .released_format import DCPythiaConfig
 
 AutoConfig.register(DCFormerConfig.model_type, DCFormerConfig, exist_ok=True)
 # The released Caiyun-AI/DCPythia-6.9B config: loads as the equivalent DCFormerConfig.
@@ -24,6 +34,12 @@ AutoModelForCausalLM.register(DCFormerConfig, DCFormerForCausalLM, exist_ok=True
 # its relative imports, the config's included) and points auto_map at it; a config saved alone stays plain data
 DCFormerModel.register_for_auto_class("AutoModel")
 DCFormerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+DCMHAInterface.register("cpu", CPU)
+DCMHAInterface.register("triton", TRITON)
+
+PACKAGE.released, PACKAGE.loading, PACKAGE.publishing, PACKAGE.presets = (
+    released_format, loading, publishing, configuration)
 
 # The linear layers LoRA can adapt: the attention's and the MLP's (`gate_proj` exists in the DCFormer++ body only),
 # what `target_modules="all-linear"` selects. The DCMHA composition weights (`dyn_w_proj`: raw parameters, no

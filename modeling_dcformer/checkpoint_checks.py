@@ -14,12 +14,7 @@ from pathlib import Path
 
 import torch
 
-try:  # the released layout's names: installed package only (remote code refuses a released config)
-    from modeling_dcformer.released_format import IGNORED_RE, RELEASED_KEY, SPLIT_QKV
-
-    RELEASED_NAMES = r"|^(" + RELEASED_KEY + r")$|" + SPLIT_QKV.pattern
-except ImportError:
-    IGNORED_RE, RELEASED_NAMES = re.compile(r"(?!)"), ""
+from .configuration_dcformer import PACKAGE
 
 # Which config field decides whether a (native, "model."-free) tensor exists.
 PRESENCE_FIELDS = [
@@ -50,7 +45,8 @@ def _first_field(table: list, key: str) -> str:
     return next((field for pattern, field in table if pattern.search(key)), "")
 
 
-def _listing(keys: list[str], limit: int = 4) -> str:
+def listing(keys: list[str], limit: int = 4) -> str:
+    """The first `limit` of `keys`, sorted, and how many more: for one-line messages."""
     keys = sorted(keys)
     more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
@@ -58,20 +54,20 @@ def _listing(keys: list[str], limit: int = 4) -> str:
 
 def _presence_problem(config, field: str, keys: list[str], unused: bool) -> str:
     """What is wrong with the checkpoint's `keys`, which the config leaves `unused` (else: lacks), by `field`."""
-    listing, value = _listing(keys), getattr(config, field, None)
+    names, value = listing(keys), getattr(config, field, None)
     if field == "num_hidden_layers" and unused:
         layers = 1 + max(int(LAYER.match(key).group(1)) for key in keys)
-        return f"num_hidden_layers is {value} but the checkpoint has at least {layers} layers ({listing})"
+        return f"num_hidden_layers is {value} but the checkpoint has at least {layers} layers ({names})"
     if field in ("", "num_hidden_layers"):
-        return f"the checkpoint has tensors this config does not use ({listing})" if unused else (
-            f"the checkpoint lacks tensors the model needs ({listing})")
+        return f"the checkpoint has tensors this config does not use ({names})" if unused else (
+            f"the checkpoint lacks tensors the model needs ({names})")
     if field == "norm_type":
         return f"norm_type is {value!r}{' (no bias)' if unused else ''} but the checkpoint has " + (
-            f"{'' if unused else 'no '}norm biases ({listing})")
+            f"{'' if unused else 'no '}norm biases ({names})")
     if unused:
         return (f"{field} is {value!r} but the checkpoint has tensors that only a model with {field}={not value!r} "
-                f"uses ({listing})")
-    return f"{field} is {value!r} but the checkpoint lacks the tensors it needs ({listing})"
+                f"uses ({names})")
+    return f"{field} is {value!r} but the checkpoint lacks the tensors it needs ({names})"
 
 
 # The composition-slot dimension C of each dynamic weight: dw1 [D, G, C, K], qkw [G, C, K, 2I, M], dd [D, G, C*M].
@@ -99,10 +95,10 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
     missing = [key.removeprefix("model.") for key in missing]
     problems = []
     if missing and foreign:  # tensors the model does not know, in place of some it needs: name them first
-        problems.append(f"the checkpoint has tensors that are not DCFormer's ({_listing(foreign)})")
+        problems.append(f"the checkpoint has tensors that are not DCFormer's ({listing(foreign)})")
     if {"embed_tokens.weight", "norm.weight"} <= set(missing):
         # neither end of the model: not a checkpoint of it at all, which no config field explains
-        problems.append(f"the checkpoint lacks {len(missing)} of the model's tensors ({_listing(missing)})")
+        problems.append(f"the checkpoint lacks {len(missing)} of the model's tensors ({listing(missing)})")
         missing = []
     for keys, unused in ((unexpected, True), (missing, False)):
         by_field = defaultdict(list)
@@ -118,7 +114,7 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
         slots = "all four composition slots" if config.query_wise else "only the two query-wise slots"
         problems.append(
             f"query_wise is {config.query_wise!r} but the checkpoint stores {slots} "
-            f"({_listing([f'{key} {ours} vs {theirs}' for key, ours, theirs in slot_keys], 2)}, checkpoint vs model)"
+            f"({listing([f'{key} {ours} vs {theirs}' for key, ours, theirs in slot_keys], 2)}, checkpoint vs model)"
         )
     for key, checkpoint_shape, model_shape in other[:6]:
         field = _first_field(SHAPE_FIELDS, key)
@@ -129,8 +125,8 @@ def describe_mismatch(config, source, unexpected=(), missing=(), mismatched=()) 
     return f"checkpoint {str(source)!r} does not match its config: " + "; ".join(problems) if problems else None
 
 
-# DCFormer's own tensor names: ours ("model." optional, lm_head) and the released layout's.
-DCFORMER_KEY = re.compile(r"^(model\.)?(layers\.\d+\.|embed_tokens\.|norm\.)|^lm_head\." + RELEASED_NAMES)
+# DCFormer's own tensor names: ours ("model." optional, lm_head); the released layout's where the package reads it.
+OUR_KEY = r"^(model\.)?(layers\.\d+\.|embed_tokens\.|norm\.)|^lm_head\."
 # Tensors no quantizer of transformers replaces (bitsandbytes and torchao quantize nn.Linear weights, with options the
 # embeddings and the output head): norms, biases and the dynamic-weight generator's raw parameters dw1/qkw/dd (not
 # nn.Linear: they stay in the compute dtype). Integers there are corrupt even in a quantized checkpoint.
@@ -142,7 +138,10 @@ def integers_meant(key: str, quantized: bool) -> bool:
     (such as its boolean causal mask), a quantizer's tensor in a quantized checkpoint (the packed weights and their
     scales, zero points and states; not the norms, biases or dynamic weights), or a tensor outside DCFormer's names,
     which the model does not load (reported as unexpected by `describe_mismatch`)."""
-    if IGNORED_RE.search(key) or not DCFORMER_KEY.search(key):
+    released = PACKAGE.released  # its derived tensors (a boolean causal mask) are meant; its names are DCFormer's
+    if released is not None and released.IGNORED_RE.search(key):
+        return True
+    if not re.search(OUR_KEY, key) and not (released is not None and released.is_released_key(key)):
         return True
     return quantized and not ALWAYS_FLOAT.search(key)
 
@@ -173,6 +172,6 @@ def check_dtypes(source, files: list, quantized: bool = False) -> None:
     quantized weights as integers: those are meant."""
     bad = non_float_tensors(files, quantized=quantized)
     if bad:
-        listing = _listing([f"{key} ({dtype})" for key, dtype in bad.items()])
+        names = listing([f"{key} ({dtype})" for key, dtype in bad.items()])
         raise ValueError(f"checkpoint {str(source)!r} stores weights with a non-floating dtype, which loading would "
-                         f"cast to floats without meaning: {listing}; the file is corrupt or not a DCFormer checkpoint")
+                         f"cast to floats without meaning: {names}; the file is corrupt or not a DCFormer checkpoint")

@@ -1,7 +1,7 @@
 """Configuration of DCFormer: a GPT-NeoX (DCPythia) or LLaMA-style (DCFormer++) body with DCMHA attention.
-Travels as remote code next to `modeling_dcformer.py`."""
+Travels as remote code next to `modeling_dcformer.py`; `PACKAGE` is the flat modules' one link to what only the
+installed package has."""
 
-import importlib
 import json
 import math
 import os
@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
-from .dcmha_base import implementation_names
+from .dcmha import RENAMED_IMPLEMENTATIONS, current_name, implementation_names
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -37,16 +37,32 @@ def is_released_config(config_dict: dict) -> bool:
     return "dim" in config_dict and "n_layer" in config_dict and "hidden_size" not in config_dict
 
 
+class InstalledPackage:
+    """What the installed package adds to the flat modules, which are all a save's remote code carries.
+    `modeling_dcformer/__init__.py` sets these when the package is imported; where only the remote code is here they
+    stay None, and the model saves, uploads and loads as any transformers model does.
+
+        released    modeling_dcformer.checkpoints.released_format: the authors' released config keys and tensor names
+        loading     modeling_dcformer.checkpoints.loading: `from_pretrained` under a reader lock, with diagnoses
+        publishing  modeling_dcformer.publishing: `save_pretrained` written beside and swapped in, the model card,
+                    uploads
+        presets     modeling_dcformer.configuration: the JSON presets of `DCFormerConfig.from_preset`
+    """
+
+    released = loading = publishing = presets = None
+
+
+PACKAGE = InstalledPackage()
+
+
 def released_format(where: str = "this config"):
-    """`modeling_dcformer.released_format`, which reads the authors' released checkpoints. It comes with the installed
-    package only, not with a save's remote code (a save is in our names): without the package, one error."""
-    try:
-        from modeling_dcformer import released_format as module
-    except ImportError:
+    """The installed package's reader of the authors' released checkpoints (`PACKAGE.released`). A save's remote
+    code does not carry it (a save is in our names): without the package, one error."""
+    if PACKAGE.released is None:
         raise ValueError(f"{where} is in the layout of the authors' released DCFormer checkpoints (keys dim, n_layer, "
                          "n_head): reading it needs the modeling_dcformer package (pip install modeling-dcformer), or "
-                         "convert it once with dcformer-convert-released") from None
-    return module
+                         "convert it once with dcformer-convert-released")
+    return PACKAGE.released
 
 
 def check_attn_implementation(value: str, dcmha_implementation: str | None = None) -> str:
@@ -54,6 +70,7 @@ def check_attn_implementation(value: str, dcmha_implementation: str | None = Non
     is a DCMHA implementation, else a ValueError that says why transformers' attention functions cannot be used.
     `dcmha_implementation`: a value given with it, which must agree."""
     known = implementation_names()  # the DCMHA registry's names, built-in and registered
+    value = current_name(value) if isinstance(value, str) else value
     if value in known:
         if dcmha_implementation is not None and dcmha_implementation != value:
             raise ValueError(f"attn_implementation={value!r} and dcmha_implementation={dcmha_implementation!r} "
@@ -107,8 +124,9 @@ class DCFormerConfig(PreTrainedConfig):
             local layers use chunks of at most max(64, window_size // 2) queries.
         attention_recompute (`bool`, True): in training, recompute each chunk's attention in the backward pass.
         dcmha_implementation (`str`, "auto"): how attention is computed (the same numbers to float rounding):
-            "eager" (the reference), "compiled", "kernel" (CPU), "triton" (CUDA), "auto" (the fastest that
-            applies) or a registered backend; `attn_implementation` is a second name (its "sdpa", ... are an error).
+            "eager" (the reference), "compiled", "cpu" (a C++ CPU kernel), "triton" (CUDA), "auto" (the fastest
+            that applies) or a registered backend; `attn_implementation` is a second name (its "sdpa", ... are an
+            error). The old name "kernel" is read as "cpu", with a FutureWarning.
         dynamic_init (`str`, "authors"): init of dw1, qkw, dd from a config: "authors" (their standard deviations:
             composition starts near the identity) or "normal" (`initializer_range`).
     """
@@ -157,6 +175,8 @@ class DCFormerConfig(PreTrainedConfig):
     dynamic_init: str = "authors"
 
     def __post_init__(self, **kwargs):
+        if isinstance(self.dcmha_implementation, str):
+            self.dcmha_implementation = current_name(self.dcmha_implementation)  # an old name, with a FutureWarning
         if kwargs.get("attn_implementation") is not None:  # given to the config itself: checked at once
             given = self.dcmha_implementation if self.dcmha_implementation != "auto" else None  # both given: agree
             check_attn_implementation(kwargs["attn_implementation"], given)
@@ -208,7 +228,7 @@ class DCFormerConfig(PreTrainedConfig):
              f"window_size ({window}) is larger than max_position_embeddings ({self.max_position_embeddings}): a "
              "local layer would be global; use window_size=None"),
             (lambda: parse_window_type(self.window_type, 1), ""),  # the pattern is valid even when no layer is local
-            (lambda: self.dcmha_implementation in known,
+            (lambda: self.dcmha_implementation in known or self.dcmha_implementation in RENAMED_IMPLEMENTATIONS,
              f"dcmha_implementation must be one of {known}, got {self.dcmha_implementation!r}"),
         ])
 
@@ -319,8 +339,10 @@ class DCFormerConfig(PreTrainedConfig):
     def from_preset(cls, name: str, **kwargs) -> "DCFormerConfig":
         """A preset of the installed package (`modeling_dcformer.configuration`, not remote code), `kwargs` overriding
         its values: `DCFormerConfig.from_preset("dcformer-tiny", window_size=None)`."""
-        presets = importlib.import_module("modeling_dcformer.configuration")  # not a remote-code import to check
-        return cls.from_dict({**json.loads(presets.preset_file(name).read_text()), **kwargs})
+        if PACKAGE.presets is None:
+            raise ValueError(f"the preset {name!r} comes with the modeling_dcformer package (pip install "
+                             "modeling-dcformer); without it, build the config from its values")
+        return cls.from_dict({**json.loads(PACKAGE.presets.preset_file(name).read_text()), **kwargs})
 
 
-__all__ = ["DCFormerConfig", "parse_window_type"]
+__all__ = ["PACKAGE", "DCFormerConfig", "InstalledPackage", "parse_window_type"]

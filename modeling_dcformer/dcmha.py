@@ -1,128 +1,187 @@
 """DCMHA: one interface for every implementation of the attention (`DCFormerConfig.dcmha_implementation`).
 
-A call is a `DCMHAInputs`; an implementation is a backend in the registry `DCMHA_BACKENDS` (a `DCMHAInterface`,
-like transformers' `AttentionInterface`):
+A call is a `DCMHAInputs`; an implementation is a `DCMHABackend` in the registry `DCMHA_BACKENDS` (a
+`DCMHAInterface`, like transformers' `AttentionInterface`):
 
     backend(inputs, *, output_attentions, recompute) -> (output [B, T, N, Dh], probabilities [B, N, T, S] or None)
     backend.why_not(inputs, output_attentions) -> None if it can compute this call, else the reason
 
-Built in: "eager" (the reference), "compiled", and the kernels "kernel" (CPU) and "triton", imported on first use
-(not in a save's remote code). `DCMHAInterface.register("name", backend)` adds one; `dcmha_base.py` holds the rest.
+Here: "eager" (the reference) and "compiled". The installed package registers its kernels, "cpu" and "triton"
+(`modeling_dcformer/kernels`), which a save's remote code does not carry. `DCMHAInterface.register("name", backend)`
+adds one. "auto" is not a backend but a rule, `choose_auto`: of the registered backends, the one of highest
+`auto_rank` that accepts the call.
 """
 
-import importlib
+import warnings
 
 import torch
 from transformers.utils import logging
+from transformers.utils.generic import GeneralInterface
 
 from .dcmha_base import (  # noqa: F401  (re-exported: the interface's public names)
-    BUILT_IN_IMPLEMENTATIONS, LOCAL_CHUNK_MIN, DCMHABackend, DCMHAChunk, DCMHAInputs, DCMHAInterface,
-    compile_supported, implementation_names, join_chunks, packed, time_last, visible_keys,
+    LOCAL_CHUNK_MIN, DCMHABackend, DCMHAChunk, DCMHAInputs, compile_supported, join_chunks, packed, time_last,
+    visible_keys,
 )
 from .dcmha_compiled import COMPILED
 from .dcmha_eager import EAGER
 
 logger = logging.get_logger(__name__)
 
-# "auto" compiles (on CUDA: "triton") an attention call whose chunks compute at least this many scores in all (batch x
-# heads x queries x keys each chunk sees): below it, eager ops are as fast and no compilation is paid.
-AUTO_COMPILE_MIN_SCORES = 1 << 20
-AUTO_TRITON_MIN_CAPABILITY = (8, 0)  # "auto" runs "triton" on CUDA GPUs from Ampere on (tested: Hopper)
+# The built-in implementations, in the order the docs list them. "cpu" and "triton" are the installed package's
+# kernels: valid names everywhere, registered only where the package is (a save's remote code runs without them).
+BUILT_IN_IMPLEMENTATIONS = ("eager", "compiled", "cpu", "triton")
+# Old names, accepted with a FutureWarning: name -> the implementation it is now.
+RENAMED_IMPLEMENTATIONS = {"kernel": "cpu"}
 
 
-class LazyBackend(DCMHABackend):
-    """A built-in backend imported from `module` (a sibling of this file) on first use; where that module is not
-    there (remote code: the kernels stay in the installed package), unavailable, saying why."""
+class FunctionBackend(DCMHABackend):
+    """A backend registered as a plain function `fn(inputs, *, output_attentions=False, recompute=False)`: it takes
+    every call it is named for, and "auto" never chooses it."""
 
-    def __init__(self, name: str, module: str, attribute: str):
-        self.name, self._module, self._attribute = name, module, attribute
-        self._backend: DCMHABackend | None = None
-
-    @property
-    def backend(self) -> DCMHABackend:
-        if self._backend is None and self.failure is None:
-            try:
-                self._backend = getattr(importlib.import_module(f".{self._module}", __package__), self._attribute)
-            except ImportError as err:
-                self.failure = f"its module is not here ({err}); `pip install modeling-dcformer` provides it"
-                logger.info(f'DCMHA "{self.name}" is unavailable: {self.failure}')
-        return self._backend or self
-
-    def why_not(self, inputs, output_attentions=False):
-        return self.failure if self.backend is self else self.backend.why_not(inputs, output_attentions)
+    def __init__(self, name: str, function):
+        self.name, self.function = name, function
 
     def __call__(self, inputs, *, output_attentions=False, recompute=False):
-        if self.backend is self:
-            raise ValueError(f'dcmha_implementation="{self.name}" is unavailable: {self.failure}')
-        return self.backend(inputs, output_attentions=output_attentions, recompute=recompute)
-
-    def record_failure(self, err):
-        (super() if self.backend is self else self.backend).record_failure(err)
+        return self.function(inputs, output_attentions=output_attentions, recompute=recompute)
 
 
-def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False):
-    """"auto": the CPU kernel where it can compute the call (inference and training on CPU); for calls of at least
-    AUTO_COMPILE_MIN_SCORES scores, "triton" on a CUDA GPU of AUTO_TRITON_MIN_CAPABILITY (chunked "compiled" is
-    launch-bound there: docs/benchmarks.md), else "compiled" where torch.compile can generate code; else "eager"."""
-    big, device = inputs.num_scores >= AUTO_COMPILE_MIN_SCORES, inputs.query.device
-    on_gpu = big and device.type == "cuda" and torch.cuda.get_device_capability(device) >= AUTO_TRITON_MIN_CAPABILITY
-    for name, wanted in (("kernel", True), ("triton", on_gpu), ("compiled", big)):
-        if wanted and DCMHA_BACKENDS[name].why_not(inputs, output_attentions) is None:
-            return DCMHA_BACKENDS[name]
-    return DCMHA_BACKENDS["eager"]
+class DCMHAInterface(GeneralInterface):
+    """The registry of DCMHA implementations: name -> `DCMHABackend`. `DCMHAInterface.register(name, backend)` adds
+    one for every model of the process (a plain function is wrapped in a `FunctionBackend`): the name becomes a valid
+    `dcmha_implementation` (`implementation_names`), and a backend with an `auto_rank` takes part in "auto"."""
+
+    _global_mapping: dict = {"eager": EAGER, "compiled": COMPILED}
+    _auto_order: tuple = ()  # the registered backends with an auto_rank, highest first (kept by register)
+
+    @classmethod
+    def register(cls, key: str, value) -> None:
+        if key == "auto" or key in RENAMED_IMPLEMENTATIONS:
+            raise ValueError(f'"{key}" is not a name a backend can take: register under another name')
+        super().register(key, value if isinstance(value, DCMHABackend) else FunctionBackend(key, value))
+        cls._auto_order = auto_order(cls._global_mapping.values())
+
+    @classmethod
+    def unregister(cls, key: str) -> None:
+        """Remove a registered backend (not "eager": "auto" and plain attention fall back to it)."""
+        if key == "eager":
+            raise ValueError('"eager" is the reference every other path falls back to: it cannot be removed')
+        cls._global_mapping.pop(key, None)
+        cls._auto_order = auto_order(cls._global_mapping.values())
 
 
-# Under torch.compile or torch.export these run the eager chunks: the tracer records PyTorch ops, which the enclosing
-# compiler fuses (an exported program holds them, and needs neither the CPU kernel nor a compiler to run).
-TRACED_AS_EAGER = ("auto", "compiled", "kernel")
+def auto_order(backends) -> tuple:
+    """`backends` that "auto" may choose (an `auto_rank`), from the highest rank down."""
+    ranked = [b for b in backends if getattr(b, "auto_rank", None) is not None]
+    return tuple(sorted(ranked, key=lambda backend: -backend.auto_rank))
+
+
+DCMHAInterface._auto_order = auto_order(DCMHAInterface._global_mapping.values())
+DCMHA_BACKENDS = DCMHAInterface()
+
+
+def implementation_names() -> tuple[str, ...]:
+    """The valid values of `dcmha_implementation`: "auto", the built-ins, then the names registered since."""
+    registered = [name for name in DCMHAInterface._global_mapping if name not in BUILT_IN_IMPLEMENTATIONS]
+    return ("auto", *BUILT_IN_IMPLEMENTATIONS, *registered)
+
+
+def current_name(name: str) -> str:
+    """`name`, or the implementation an old name stands for now (with a FutureWarning)."""
+    if name in RENAMED_IMPLEMENTATIONS:
+        new = RENAMED_IMPLEMENTATIONS[name]
+        warnings.warn(f'dcmha_implementation="{name}" is now called "{new}"; "{name}" will stop being accepted',
+                      FutureWarning, stacklevel=3)
+        return new
+    return name
+
+
+def choose_auto(inputs: DCMHAInputs, output_attentions: bool = False, backends=None) -> DCMHABackend:
+    """"auto": of `backends` (default: the registered ones), the one of highest `auto_rank` that has not failed here
+    and whose `why_not_auto` accepts the call; "eager" when none does. Built in, from the top: "cpu" wherever it can
+    compute the call; "triton" for large calls on CUDA GPUs from Ampere on; "compiled" for large calls where
+    torch.compile generates code; "eager"."""
+    for backend in DCMHAInterface._auto_order if backends is None else auto_order(backends):
+        if backend.failure is None and backend.why_not_auto(inputs, output_attentions) is None:
+            return backend
+    return EAGER
+
+
+def named_backend(name: str) -> DCMHABackend:
+    """The registered backend `name`, or a ValueError saying why there is none."""
+    backend = DCMHAInterface._global_mapping.get(name)
+    if backend is not None:
+        return backend
+    if name in BUILT_IN_IMPLEMENTATIONS:  # a kernel, where only a save's remote code is here
+        raise ValueError(f'dcmha_implementation="{name}" is unavailable here: it comes with the installed package '
+                         "(pip install modeling-dcformer); 'auto' uses 'compiled' or 'eager' without it")
+    raise ValueError(f"dcmha_implementation={name!r} is not registered; choose one of {list(implementation_names())}")
 
 
 def dcmha_attention(inputs: DCMHAInputs, implementation: str = "auto", *, output_attentions: bool = False,
                     recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """DCMHA with the implementation named `implementation` ("auto": `choose_auto`): the output [B, T, N, Dh] and,
     with `output_attentions`, the composed probabilities [B, N, T, S] (fp32). Plain attention always runs "eager"
-    (SDPA); so do traced calls (`TRACED_AS_EAGER`), and output_attentions calls of a backend that cannot return the
-    probabilities ("triton"), with a warning once."""
-    eager = DCMHA_BACKENDS["eager"]
-    if not inputs.composed or (torch.compiler.is_compiling() and implementation in TRACED_AS_EAGER):
-        return eager(inputs, output_attentions=output_attentions, recompute=recompute)
+    (SDPA); so do traced calls of a backend that is `traced_as_eager`, and output_attentions calls of a backend
+    that cannot return the probabilities ("triton"), with a warning once."""
+    if not inputs.composed:
+        return EAGER(inputs, output_attentions=output_attentions, recompute=recompute)
+    name = current_name(implementation)
+    if name == "auto":
+        return auto_attention(inputs, output_attentions=output_attentions, recompute=recompute)
+    backend = named_backend(name)
+    if backend.traced_as_eager and torch.compiler.is_compiling():
+        return EAGER(inputs, output_attentions=output_attentions, recompute=recompute)
+    problem = backend.why_not(inputs, output_attentions)
+    if problem is not None and output_attentions:  # what it lacks may be the probabilities alone
+        if backend.why_not(inputs, False) is None:
+            logger.warning_once(f'dcmha_implementation="{name}": {problem}; calls with output_attentions=True run '
+                                '"eager" instead (the same numbers)')
+            return EAGER(inputs, output_attentions=output_attentions, recompute=recompute)
+        problem = backend.why_not(inputs, False)
+    if problem is None:
+        try:
+            backend.prepare()
+        except Exception as err:  # noqa: BLE001  (a build that failed here: its reason)
+            backend.record_failure(err)
+            problem = backend.failure
+    if problem is not None:
+        raise ValueError(f'dcmha_implementation="{name}" cannot compute this attention: {problem}. Use "auto" (the '
+                         'CPU kernel where it applies, "compiled" or "eager" elsewhere).')
+    return backend(inputs, output_attentions=output_attentions, recompute=recompute)
+
+
+def auto_attention(inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
+    """"auto": the backend `choose_auto` gives, prepared first; a backend that fails to build or to run is recorded
+    (`DCMHABackend.failure`) and the call goes on without it."""
+    tracing = torch.compiler.is_compiling()
+    while (backend := choose_auto(inputs, output_attentions)) is not EAGER and not tracing:
+        try:
+            backend.prepare()
+        except Exception as err:  # noqa: BLE001  (any build failure: recorded, and "auto" chooses again)
+            backend.record_failure(err)
+            continue
+        try:
+            return backend(inputs, output_attentions=output_attentions, recompute=recompute)
+        except Exception as err:  # noqa: BLE001  (a machine where the backend cannot run its code)
+            backend.record_failure(err)
+            break
+    return EAGER(inputs, output_attentions=output_attentions, recompute=recompute)
+
+
+def project_dynamic_weights(implementation: str, x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor,
+                            dd: torch.Tensor, rank: int, eps: float) -> torch.Tensor | None:
+    """The dynamic-weight projection by a backend's own code (`DCMHABackend.project`): the named backend's, or with
+    "auto" the first in "auto"'s order that takes the call; None: the model computes it with PyTorch ops."""
     if implementation == "auto":
-        backend = choose_auto(inputs, output_attentions)
+        backends = DCMHAInterface._auto_order
     else:
-        if implementation not in DCMHA_BACKENDS:
-            known = list(implementation_names())
-            raise ValueError(f"dcmha_implementation={implementation!r} is not registered; choose one of {known}")
-        backend = DCMHA_BACKENDS[implementation]
-        why_not = getattr(backend, "why_not", lambda inputs, output_attentions: None)
-        problem = why_not(inputs, output_attentions)
-        if problem is not None and output_attentions:
-            problem_without = why_not(inputs, False)
-            if problem_without is None:
-                logger.warning_once(f'dcmha_implementation="{implementation}": {problem}; calls with '
-                                    'output_attentions=True run "eager" instead (the same numbers)')
-                backend = eager
-            problem = problem_without
-        if problem is not None:
-            raise ValueError(f'dcmha_implementation="{implementation}" cannot compute this attention: {problem}. '
-                             'Use "auto" (the CPU kernel where it applies, "compiled" or "eager" elsewhere).')
-    if implementation != "auto" or backend is eager:
-        return backend(inputs, output_attentions=output_attentions, recompute=recompute)
-    try:
-        return backend(inputs, output_attentions=output_attentions, recompute=recompute)
-    except Exception as err:  # "auto" only: a machine where the backend cannot build its code
-        backend.record_failure(err)
-        return eager(inputs, output_attentions=output_attentions, recompute=recompute)
+        backend = DCMHAInterface._global_mapping.get(RENAMED_IMPLEMENTATIONS.get(implementation, implementation))
+        backends = () if backend is None else (backend,)
+    for backend in backends:
+        if backend.failure is None and (terms := backend.project(x, dw1, qkw, dd, rank, eps)) is not None:
+            return terms
+    return None
 
 
-def projection_kernel(implementation: str, x: torch.Tensor, *arguments):
-    """The dynamic-weight projection by the CPU kernel's one operator (cpu_kernel's `projection`: x, dw1, qkw, dd,
-    rank, eps) where allowed: the factors [B*T, G, C, 2I+1, M]; else None."""
-    kernel = DCMHA_BACKENDS["kernel"] if implementation in ("auto", "kernel") else None
-    project = getattr(kernel.backend, "projection", None) if isinstance(kernel, LazyBackend) else None
-    return None if project is None else project(x, *arguments)
-
-
-DCMHAInterface._global_mapping.update(eager=EAGER, compiled=COMPILED,
-                                      kernel=LazyBackend("kernel", "cpu_kernel", "KERNEL"),
-                                      triton=LazyBackend("triton", "triton_kernel", "TRITON"))
-DCMHA_BACKENDS = DCMHAInterface()
+__all__ = ["DCMHA_BACKENDS", "DCMHABackend", "DCMHAInputs", "DCMHAInterface", "choose_auto", "dcmha_attention",
+           "implementation_names", "project_dynamic_weights"]

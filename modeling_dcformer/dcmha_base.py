@@ -1,6 +1,6 @@
-"""What every DCMHA backend shares: the inputs of a call (`DCMHAInputs`) and of a chunk (`DCMHAChunk`), the base
-class (`DCMHABackend`), the registry (`DCMHAInterface`) and the chunk and mask helpers. It imports no backend (no
-cycle); `dcmha.py` imports the backends and holds the dispatch and the "auto" rule."""
+"""What every DCMHA backend shares: the inputs of a call (`DCMHAInputs`) and of a chunk (`DCMHAChunk`), the backend
+base class (`DCMHABackend`) and the chunk and mask helpers. It imports no backend; `dcmha.py` holds the registry, the
+"auto" rule and the dispatch."""
 
 import importlib.util
 import os
@@ -10,12 +10,9 @@ from typing import NamedTuple
 
 import torch
 from transformers.utils import logging
-from transformers.utils.generic import GeneralInterface
 
 logger = logging.get_logger(__name__)
 
-# The built-in implementations, in the order "auto" and the docs list them; "auto" is the rule that chooses one.
-BUILT_IN_IMPLEMENTATIONS = ("eager", "compiled", "kernel", "triton")
 # Local layers take chunks of at most max(LOCAL_CHUNK_MIN, window // 2) queries: a chunk of c queries touches
 # c + window - 1 keys, so the scores computed are within 1.5x of the window band (3x with c = 512, window 256).
 LOCAL_CHUNK_MIN = 64
@@ -189,42 +186,53 @@ def join_chunks(outputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 class DCMHABackend:
-    """One implementation of DCMHA. Subclasses set `name`, implement `__call__`, and extend `why_not` with what they
-    cannot compute. A backend whose build or compilation fails records it with `record_failure`: from then on
-    `why_not` gives that reason, and "auto" does without it."""
+    """One implementation of DCMHA, as the registry (`dcmha.DCMHAInterface`) holds it.
+
+    name        its `dcmha_implementation` value
+    auto_rank   where "auto" tries it: the highest rank first (`dcmha.choose_auto`); None: used only when named
+    traced_as_eager  under torch.compile or torch.export it runs the eager chunks instead (the tracer records PyTorch
+                ops, which the enclosing compiler fuses; an exported program then needs none of its code)
+    failure     why it cannot run here, once building or compiling its code failed: from then on "auto" does without
+                it, and naming it is an error that says why
+
+    A subclass implements `__call__` and extends what applies: `why_not` (what it cannot compute; cheap: it never
+    builds anything), `why_not_auto` (what "auto" should not give it although it could compute it, such as calls too
+    small to pay for a compilation), `prepare` (builds or loads its code: slow, once) and `project` (the
+    dynamic-weight projection, where it has its own)."""
 
     name: str = "?"
+    auto_rank: int | None = None
+    traced_as_eager: bool = False
     failure: str | None = None
 
     def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
+        """Why it cannot compute the call `inputs` (None: it can)."""
         return self.failure
+
+    def why_not_auto(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
+        """Why "auto" should not choose it for the call `inputs` (None: it may)."""
+        return self.why_not(inputs, output_attentions)
+
+    def prepare(self) -> None:
+        """Build or load what it runs (a no-op where nothing is built); raises with the reason, recorded in
+        `failure`."""
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+
+    def project(self, x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: torch.Tensor, rank: int,
+                eps: float) -> torch.Tensor | None:
+        """The dynamic-weight projection of x [B, T, D] (`DynamicWeightProjection`: the factors [B*T, G, C, 2I+1, M])
+        where this backend has its own for this call; None: the model computes it with PyTorch ops."""
+        return None
 
     def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
         raise NotImplementedError
 
     def record_failure(self, err: BaseException) -> None:
-        self.failure = f"it failed to build here ({type(err).__name__}: {str(err)[:300]})"
-        logger.warning(f'DCMHA "{self.name}" {self.failure}; dcmha_implementation="auto" does without it')
-
-
-class DCMHAInterface(GeneralInterface):
-    """The registry of DCMHA implementations: name -> backend (the built-ins are added by `dcmha.py`).
-    `DCMHAInterface.register(name, backend)` adds one for every model of the process: the name becomes a valid
-    `dcmha_implementation` (`implementation_names`)."""
-
-    _global_mapping: dict = {}
-
-    @classmethod
-    def register(cls, key: str, value) -> None:
-        if key == "auto":
-            raise ValueError('"auto" is the selection rule, not a backend: register under another name')
-        super().register(key, value)
-
-
-def implementation_names() -> tuple[str, ...]:
-    """The valid values of `dcmha_implementation`: "auto", the built-ins, then the names registered since."""
-    registered = [name for name in DCMHAInterface._global_mapping if name not in BUILT_IN_IMPLEMENTATIONS]
-    return ("auto", *BUILT_IN_IMPLEMENTATIONS, *registered)
+        """Remember that building or running its code failed here (said once, as a warning)."""
+        if self.failure is None:
+            self.failure = f"it failed to build here ({type(err).__name__}: {str(err)[:300]})"
+            logger.warning(f'DCMHA "{self.name}" {self.failure}; dcmha_implementation="auto" does without it')
 
 
 def compile_supported(device: torch.device) -> bool:

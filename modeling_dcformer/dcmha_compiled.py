@@ -11,6 +11,10 @@ import torch.fx.experimental._config
 from .dcmha_base import DCMHAInputs, compile_supported, visible_keys
 from .dcmha_eager import EagerBackend, stage_apply, stage_hidden
 
+# "auto" compiles an attention call whose chunks compute at least this many scores in all (batch x heads x queries x
+# the keys each chunk sees): below it, eager ops are as fast and no compilation is paid.
+AUTO_MIN_SCORES = 1 << 20
+
 
 def compose_backward(grad, raw, query_terms, key_terms, q_pos, k_pos, key_padding_mask, window_size, scale, fill, rank):
     """The gradients of `compose_step` (grad [B, N, c, s]) for raw, query_terms and key_terms, written out per head and
@@ -73,10 +77,13 @@ class CompiledBackend(EagerBackend):
     automatic dynamic shapes and no duck sizing."""
 
     name = "compiled"
+    auto_rank = 10
+    traced_as_eager = True
     compile_backend = "inductor"  # the tests use "aot_eager" (same tracing and autograd, no C++ to build)
 
-    def __init__(self):
+    def __init__(self, auto_min_scores: int = AUTO_MIN_SCORES):
         self._stages: tuple[Callable, Callable, Callable] | None = None
+        self.auto_min_scores = auto_min_scores
 
     @property
     def compose_step(self) -> Callable:
@@ -113,6 +120,11 @@ class CompiledBackend(EagerBackend):
         if not compile_supported(inputs.query.device):
             return f"torch.compile cannot generate code for {inputs.query.device.type} here"
         return None
+
+    def why_not_auto(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
+        if inputs.num_scores < self.auto_min_scores:
+            return f"fewer than {self.auto_min_scores} scores: eager ops are as fast, and nothing is compiled"
+        return self.why_not(inputs, output_attentions)
 
 
 COMPILED = CompiledBackend()

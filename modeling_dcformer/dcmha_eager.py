@@ -135,6 +135,7 @@ class EagerBackend(DCMHABackend):
     backward pass instead of kept. Runs anywhere, returns the probabilities, and is the reference."""
 
     name = "eager"
+    auto_rank = 0  # "auto"'s last resort: it computes every call
     compose_step = staticmethod(compose_step)
 
     def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):

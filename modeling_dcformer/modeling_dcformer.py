@@ -8,11 +8,8 @@ this file and its relative imports are a save's remote code. One attention layer
     o_proj              output projection
 """
 
-import importlib
 import math
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +25,9 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
 from .cache_dcformer import DCFormerCache, check_cache, check_cache_implementation
-from .configuration_dcformer import DCFormerConfig, check_attn_implementation
 from .checkpoint_checks import check_dtypes, describe_mismatch
-from .dcmha import DCMHAInputs, dcmha_attention, projection_kernel
+from .configuration_dcformer import PACKAGE, DCFormerConfig, check_attn_implementation
+from .dcmha import DCMHAInputs, dcmha_attention, project_dynamic_weights
 
 logger = logging.get_logger(__name__)
 
@@ -188,11 +185,12 @@ class DynamicWeightProjection(nn.Module):
         return F.linear(x, weight).split((dw1.shape[1], dd.shape[1]), dim=1)
 
     def forward(self, x: torch.Tensor, kept: dict | None = None, implementation: str = "eager") -> torch.Tensor:
-        """The factors [B, T, G, C, 2I+1, M] of x [B, T, D]; one kernel call where allowed (dcmha.projection_kernel)."""
+        """The factors [B, T, G, C, 2I+1, M] of x [B, T, D]; a backend's own projection where it has one for this call
+        (`dcmha.project_dynamic_weights`)."""
         B, T, D = x.shape
         G, C, I, M = self.num_groups, self.num_slots, self.rank, self.heads_per_group
         dw1, qkw, dd = self.dw1, self.qkw, self.dd
-        if (terms := projection_kernel(implementation, x, dw1, qkw, dd, I, DW_RMS_EPS)) is not None:
+        if (terms := project_dynamic_weights(implementation, x, dw1, qkw, dd, I, DW_RMS_EPS)) is not None:
             return terms.view(B, T, G, C, -1, M)
         h, diag = self.input_products(x.reshape(B * T, D), kept)
         # bmm for the per-slot second layer (einsum's dispatch costs more than the products at a decode step)
@@ -281,20 +279,6 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, probs
 
 
-def installed(module: str):
-    """`modeling_dcformer.<module>` of the installed package (saving, cards, uploads, `loading`'s reader lock, the
-    released layout), or None where only the remote code is here or the installed version has no such file (a
-    save of a newer version). A module that is there but fails to import is an error, never a fallback."""
-    try:
-        return importlib.import_module(f"modeling_dcformer.{module}")
-    except ModuleNotFoundError as err:
-        package = sys.modules.get("modeling_dcformer")
-        older = package is not None and not Path(package.__file__).with_name(f"{module}.py").exists()
-        if err.name == "modeling_dcformer" or (err.name == f"modeling_dcformer.{module}" and older):
-            return None
-        raise
-
-
 class DCFormerPreTrainedModel(PreTrainedModel):
     config_class = DCFormerConfig
     config: DCFormerConfig
@@ -321,16 +305,15 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         return self.config._attn_implementation
 
     def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False):
-        """Sets `config.dcmha_implementation` ("auto", "eager", "compiled", "kernel", "triton" or a registered
+        """Sets `config.dcmha_implementation` ("auto", "eager", "compiled", "cpu", "triton" or a registered
         backend); transformers' own functions ("sdpa", ...) cannot compose heads: a ValueError says so."""
         self._check_and_adjust_attn_implementation(attn_implementation)
 
     def __init__(self, config: DCFormerConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
-        released = installed("released_format")  # the released names, for the body loaded (package only)
-        if released is not None:
-            released.register_released_layout(config.model_type, config.use_gated_mlp)
-            self._keys_to_ignore_on_load_unexpected = released.IGNORED  # its derived tensors: never used
+        if PACKAGE.released is not None:  # the released names, for the body loaded (installed package only)
+            PACKAGE.released.register_released_layout(config.model_type, config.use_gated_mlp)
+            self._keys_to_ignore_on_load_unexpected = PACKAGE.released.IGNORED  # its derived tensors: never used
         self.model_tags = ["dcformer", "dcmha"]  # this model's Hub tags (`add_model_tags` adds to them)
 
     @classmethod
@@ -338,12 +321,12 @@ class DCFormerPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.from_pretrained`, refusing a checkpoint that does not match its config (transformers
         would initialise missing tensors randomly, drop unused ones, cast integer ones, and only log it) with an error
         naming the config field (`checkpoint_checks.py`; `output_loading_info=True` reports instead). With the package
-        installed, `loading.from_pretrained` reads a local folder under a shared lock (docs/implementations.md)."""
+        installed, `PACKAGE.loading` reads a local folder under a shared lock (docs/implementations.md)."""
         source, want_info = pretrained_model_name_or_path, kwargs.get("output_loading_info", False)
         kwargs["output_loading_info"] = True  # the missing and unused tensors, checked below
         load = super().from_pretrained
-        if (loading := installed("loading")) is not None:  # the reader lock and the package's diagnoses
-            load = partial(loading.from_pretrained, load)
+        if PACKAGE.loading is not None:  # the reader lock and the package's diagnoses
+            load = partial(PACKAGE.loading.from_pretrained, load)
         model, info = load(source, *args, **kwargs)
         problem = None if want_info else describe_mismatch(model.config, source, unexpected=info["unexpected_keys"],
                                                            missing=info["missing_keys"])
@@ -377,20 +360,20 @@ class DCFormerPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, remote_code: bool = True, model_card: bool | dict = True,
                         **kwargs):
-        """`PreTrainedModel.save_pretrained` in our layout. With the package installed (`modeling_dcformer.hub`,
+        """`PreTrainedModel.save_pretrained` in our layout. With the package installed (`PACKAGE.publishing`,
         docs/hub.md): written beside and swapped in whole, with the remote code (`remote_code`) and a model card
         (`model_card`: True, False or a dict of card options); as remote code without it: transformers' own."""
-        hub = installed("hub")
-        if hub is None:
+        if PACKAGE.publishing is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
-        return hub.save_pretrained(self, save_directory, *args, remote_code=remote_code, model_card=model_card,
-                                   **kwargs)
+        return PACKAGE.publishing.save_pretrained(self, save_directory, *args, remote_code=remote_code,
+                                                  model_card=model_card, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' `push_to_hub`; with the package installed also `license`, `base_model`, `eval_results`,
         `remote_code`, `overwrite_model_card`, DCFormer's card, and one `HubUploadError` on failure (docs/hub.md)."""
-        hub = installed("hub")
-        return super().push_to_hub(repo_id, **kwargs) if hub is None else hub.push_to_hub(self, repo_id, **kwargs)
+        if PACKAGE.publishing is None:
+            return super().push_to_hub(repo_id, **kwargs)
+        return PACKAGE.publishing.push_to_hub(self, repo_id, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)

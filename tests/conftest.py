@@ -20,11 +20,9 @@ from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
 # test_the_8_wide_build_matches_the_oracle_too runs the oracle tests with "-mno-avx512f" on an AVX-512 CPU, so that
 # the AVX2 CPUs' build is tested on the machines whose native build is the AVX-512 one.
 if os.environ.get("DCFORMER_TEST_KERNEL_CFLAGS"):
-    from modeling_dcformer import cpu_kernel
+    from modeling_dcformer.kernels import dcmha_cpu
 
-    cpu_kernel.KERNEL = cpu_kernel.CPUKernelBackend(
-        cflags=[*cpu_kernel.CFLAGS, *os.environ["DCFORMER_TEST_KERNEL_CFLAGS"].split()]
-    )
+    dcmha_cpu.CPU.library.cflags += os.environ["DCFORMER_TEST_KERNEL_CFLAGS"].split()
 
 TINY = dict(
     vocab_size=100,

@@ -1,6 +1,7 @@
 """Helpers shared by the test modules (no test module imports another): tiny models whose every parameter
 matters, comparisons, and the common checks of a DCMHA implementation against the oracle (`oracle.py`)."""
 
+import contextlib
 import fnmatch
 import json
 import math
@@ -322,3 +323,23 @@ def assert_compiled_generation_equals(model, generate, expected, backend) -> Non
     assert torch.equal(compiled, expected), (compiled, expected)
     assert torch.equal(again, expected)
     assert counter.frame_count == frames, "a second generation of the same lengths compiled again"
+
+
+@contextlib.contextmanager
+def registered(name: str, backend):
+    """`backend` registered as the DCMHA implementation `name` for the block (`DCMHAInterface.register`; None: no
+    backend of that name), and what was registered under that name before (or nothing) afterwards."""
+    from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHAInterface
+
+    previous = DCMHA_BACKENDS.get(name)
+    if backend is None:
+        DCMHAInterface.unregister(name)
+    else:
+        DCMHAInterface.register(name, backend)
+    try:
+        yield backend
+    finally:
+        if previous is None:
+            DCMHAInterface.unregister(name)
+        else:
+            DCMHAInterface.register(name, previous)

@@ -123,7 +123,7 @@ def released_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Random tensors under the released names and shapes (spec, "Released state-dict keys").
 
-    Ordinary weights are N(0, 1/fan_in) (norm scales around 1, biases small but non-zero) so activations stay
+    Ordinary weights are N(0, 1/fan_in) (norm scales near 1, biases small but non-zero) so activations stay
     O(1). The dynamic-weight generator is scaled so that every composition term moves the result by O(1) without
     swamping it: dw1 and dd are N(0, 1/D), so the pre-activations of gelu and tanh are N(0, 1) (tanh(dd) is then
     about +-0.6, gelu's output O(1)); qkw is N(0, dyn_std^2) (0.3: w2 entries about 0.8, each low-rank term about

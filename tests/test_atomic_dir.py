@@ -1,6 +1,6 @@
-"""modeling_dcformer.atomic_dir: a directory written beside its destination, then swapped in (issue 27 item 2,
-issue 30 items 1, 8, 9). Modes follow the umask or the existing folder; ".", "..", symlinks (also to an empty
-folder) name the folder written; a failure or a kill -9 leaves the old folder whole; concurrent writers take turns."""
+"""modeling_dcformer.checkpoints.atomic_dir: a directory written beside its destination, then swapped in. Modes follow
+the umask or the existing folder; ".", "..", symlinks (also to an empty folder) name the folder written; a failure or
+a kill -9 leaves the old folder whole; concurrent writers take turns."""
 
 import os
 import stat
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from modeling_dcformer import atomic_dir
+from modeling_dcformer.checkpoints import atomic_dir
 
 
 def write(destination, files: dict, **kwargs):

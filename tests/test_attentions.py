@@ -1,4 +1,4 @@
-"""The attentions a forward pass returns, and transformers' `attn_implementation` (issue 19, items 1 and 4).
+"""The attentions a forward pass returns, and transformers' `attn_implementation`.
 
 - output_attentions: the composed probabilities returned are the tensors the output is computed from, as in
   transformers' eager attention: their gradient exists, equals the float64 oracle's dLoss/dP on every key a query
@@ -23,7 +23,8 @@ from helpers import (
     make_config,
     padded_batch,
 )
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, triton_kernel
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.kernels import dcmha_triton
 from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHAInterface
 from modeling_dcformer.dcmha_compiled import COMPILED
 from oracle import oracle_dcmha_layer, oracle_visible
@@ -132,7 +133,7 @@ def test_gradient_of_the_returned_attentions_matches_the_oracle(implementation):
         assert probs_ref.grad[visible].abs().max() > 1e-2  # the comparison is not between zeros
 
 
-@pytest.mark.skipif(not triton_kernel.available(DEVICE), reason="the Triton kernels cannot run here")
+@pytest.mark.skipif(not dcmha_triton.available(DEVICE), reason="the Triton kernels cannot run here")
 def test_triton_leaves_output_attentions_to_eager_and_says_so_once(caplog):
     """"triton" cannot return the probabilities: a call with output_attentions=True runs "eager" (the same
     attentions, carrying the gradient), with one warning for any number of calls."""
@@ -187,7 +188,7 @@ def test_attn_implementation_chooses_the_dcmha_implementation_by_every_route(tmp
                 model(ids, attention_mask=mask)
             assert len(spy_backend) == before + model.config.num_hidden_layers
 
-    for name in ("eager", "kernel", "spy"):
+    for name in ("eager", "cpu", "spy"):
         uses(DCFormerForCausalLM(attention_config(attn_implementation=name)), name)
         uses(AutoModelForCausalLM.from_config(attention_config(), attn_implementation=name), name)
         uses(AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=name), name)
@@ -196,11 +197,11 @@ def test_attn_implementation_chooses_the_dcmha_implementation_by_every_route(tmp
     model.set_attn_implementation({"": "compiled"})  # transformers' dict form
     uses(model, "compiled")
     uses(AutoModelForCausalLM.from_pretrained(tmp_path), "auto")  # not given: the saved config's
-    agree, disagree = dict(attn_implementation="eager", dcmha_implementation="eager"), dict(dcmha_implementation="kernel")
+    agree, disagree = dict(attn_implementation="eager", dcmha_implementation="eager"), dict(dcmha_implementation="cpu")
     uses(AutoModelForCausalLM.from_pretrained(tmp_path, **agree), "eager")
-    with pytest.raises(ValueError, match="attn_implementation='eager' and dcmha_implementation='kernel' disagree"):
+    with pytest.raises(ValueError, match="attn_implementation='eager' and dcmha_implementation='cpu' disagree"):
         AutoModelForCausalLM.from_pretrained(tmp_path, **{**agree, **disagree})
-    with pytest.raises(ValueError, match="attn_implementation='eager' and dcmha_implementation='kernel' disagree"):
+    with pytest.raises(ValueError, match="attn_implementation='eager' and dcmha_implementation='cpu' disagree"):
         attention_config(**{**agree, **disagree})
 
     # output_attentions is accepted with every implementation ("compiled" here); the attentions each one returns are

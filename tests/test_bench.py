@@ -113,7 +113,7 @@ def test_sweep_seq_lens_parsed_and_imply_sweep(bench):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# --layers, --vocab-size, --dtype, --compile-static (issue 26: DCPythia-6.9B's layer shape, half precision)
+# --layers, --vocab-size, --dtype, --compile-static (DCPythia-6.9B's layer shape, half precision)
 # ---------------------------------------------------------------------------------------------------------------
 def test_a_slice_of_the_6_9b_shape_with_its_gpt_neox_twin(bench):
     """`--shape pythia-6.9b --layers 2 --vocab-size 1024`: DCPythia-6.9B's layers at their real width, and a
@@ -288,7 +288,7 @@ def test_triton_at_tiles_sets_the_kernels_tiles_for_its_own_runs_only(capsys):
     """`--implementation triton@32x16` (a GPU sweep of the Triton kernels' tiles): "triton" with BLOCK_T x BLOCK_S
     = 32 x 16 while its step runs, the defaults restored after it, also when it fails; tiles that are not powers of
     two from 16, or on another implementation, are argparse errors."""
-    from modeling_dcformer import triton_kernel
+    from modeling_dcformer.kernels import dcmha_triton
 
     spec = importlib.util.spec_from_file_location("bench_train_step", ROOT / "benchmarks" / "bench_train_step.py")
     module = importlib.util.module_from_spec(spec)
@@ -298,13 +298,13 @@ def test_triton_at_tiles_sets_the_kernels_tiles_for_its_own_runs_only(capsys):
         with pytest.raises(SystemExit):
             module.parse_args(["--implementation", bad])
         assert f"{bad}: not a dcmha_implementation" in capsys.readouterr().err
-    defaults = triton_kernel.BLOCK_T, triton_kernel.BLOCK_S
+    defaults = dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S
     model = type("Model", (), {"config": type("Config", (), {"dcmha_implementation": "auto"})()})()
     seen = []
     module.with_implementation(model, "triton@32x64", lambda: seen.append(
-        (model.config.dcmha_implementation, triton_kernel.BLOCK_T, triton_kernel.BLOCK_S)))()
+        (model.config.dcmha_implementation, dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S)))()
     module.with_implementation(model, "triton", lambda: seen.append(
-        (model.config.dcmha_implementation, triton_kernel.BLOCK_T, triton_kernel.BLOCK_S)))()
+        (model.config.dcmha_implementation, dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S)))()
     assert seen == [("triton", 32, 64), ("triton", *defaults)]
 
     def fails():
@@ -312,7 +312,7 @@ def test_triton_at_tiles_sets_the_kernels_tiles_for_its_own_runs_only(capsys):
 
     with pytest.raises(ValueError):
         module.with_implementation(model, "triton@64x64", fails)()
-    assert (triton_kernel.BLOCK_T, triton_kernel.BLOCK_S) == defaults
+    assert (dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S) == defaults
 
 
 def cuda_check_steps() -> dict[str, list[str]]:
@@ -365,7 +365,7 @@ def ab_kernel():
 def test_ab_kernel_source_renames_every_registration_and_parses_shapes(ab_kernel):
     """Each variant's operators go to their own namespace (all three registration macros, nothing else); a source
     without the dcformer library and a malformed shape are clear errors."""
-    text = (ROOT / "modeling_dcformer" / "csrc" / "dcmha_cpu.cpp").read_text()
+    text = (ROOT / "modeling_dcformer" / "kernels" / "csrc" / "dcmha_cpu.cpp").read_text()
     renamed = ab_kernel.renamed_source(text, "dcformer_ab_x")
     assert "TORCH_LIBRARY(dcformer_ab_x," in renamed and "TORCH_LIBRARY_IMPL(dcformer_ab_x, CPU" in renamed
     assert not re.search(r"TORCH_LIBRARY\w*\(dcformer\b", renamed)
@@ -391,10 +391,10 @@ def test_ab_kernel_source_renames_every_registration_and_parses_shapes(ab_kernel
 def test_ab_kernel_source_times_variants_and_flags_one_that_computes_something_else(ab_kernel, capsys):
     """compare(): a row per shape and variant with times, ratios to the first and the outputs' difference, 0 for the
     same operators; a variant whose backward operator leaves the gradients alone shows a large difference."""
-    from modeling_dcformer import cpu_kernel
+    from modeling_dcformer.kernels import dcmha_cpu
 
-    if not cpu_kernel.available():
-        pytest.skip(f"the CPU kernel cannot be built here: {cpu_kernel.KERNEL.failure}")
+    if not dcmha_cpu.available():
+        pytest.skip(f"the CPU kernel cannot be built here: {dcmha_cpu.CPU.failure}")
     ops = torch.ops.dcformer
 
     class NoBackward:  # the forward operator as is; a backward operator that does nothing

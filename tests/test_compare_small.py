@@ -1,4 +1,4 @@
-"""modeling_dcformer.experiments (synthetic_tasks, ablation, runner, report) and examples/compare_small.py:
+"""dcformer_research (synthetic_tasks, ablation, runner, report) and examples/compare_small.py:
 the generated answers are right and unique
 (checked by brute-force solvers written here, independent of the generators), deterministic, masked except the
 answers; the two models' parameter counts match; the whole comparison runs end to end."""
@@ -14,11 +14,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 from modeling_dcformer import DCFormerForCausalLM
-from modeling_dcformer.experiments import compare as compare_small  # examples/compare_small.py's command line
-from modeling_dcformer.experiments.ablation import GPTNeoXForCausalLM, matched_configs
-from modeling_dcformer.experiments.report import reach_step
-from modeling_dcformer.experiments.runner import make_compute_metrics
-from modeling_dcformer.experiments.synthetic_tasks import (
+from dcformer_research import compare as compare_small  # examples/compare_small.py's command line
+from dcformer_research.ablation import GPTNeoXForCausalLM, matched_configs
+from dcformer_research.report import reach_step
+from dcformer_research.runner import make_compute_metrics
+from dcformer_research.synthetic_tasks import (
     IGNORE_INDEX,
     PadCollator,
     SyntheticDataset,
@@ -331,7 +331,7 @@ def test_smoke_run_writes_table_json_and_png(tmp_path):
 
 
 def test_dc_overrides_use_qk_norm(capsys):
-    """Issue 19 item 11: the advertised `--dc-overrides use_qk_norm=true` failed with "got multiple values for
+    """The advertised `--dc-overrides use_qk_norm=true` failed with "got multiple values for
     keyword argument 'use_qk_norm'"."""
     args = compare_small.parse_args(["--dc-overrides", "use_qk_norm=true,window_size=16,window_type=LGLL"])
     vocab = TaskVocab(args.task_config)

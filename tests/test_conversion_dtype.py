@@ -1,4 +1,4 @@
-"""`dcformer-convert-pythia --dtype bf16|fp16 --verify` (issue 19, item 8): the check compares the source with the
+"""`dcformer-convert-pythia --dtype bf16|fp16 --verify`: the check compares the source with the
 converted weights in fp32 before the cast (where the conversion is exact), says so, and then casts; the saved
 checkpoint is the source rounded to the requested dtype (checked against the oracle and GPT-NeoX on the rounded
 source weights), bit for bit what the same conversion without verification writes."""
@@ -13,7 +13,7 @@ from transformers import GPTNeoXForCausalLM
 
 from helpers import as_double, save_tiny_neox
 from modeling_dcformer import DCFormerConfig
-from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
+from modeling_dcformer.conversion import pythia as p2d
 from oracle import oracle_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")

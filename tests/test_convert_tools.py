@@ -20,8 +20,9 @@ from safetensors import SafetensorError
 
 import modeling_dcformer  # noqa: F401  (registers the Auto classes)
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
-from modeling_dcformer.conversion import caiyun_to_hf, common
-from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
+from modeling_dcformer.conversion import common
+from modeling_dcformer.conversion import released as released_converter
+from modeling_dcformer.conversion import pythia as p2d
 from helpers import help_options, in_process_help_options, save_tiny_neox
 from released_checkpoint import released_dir
 
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRESS = re.compile(r"^(Converting|Converting shards|Loading weights|Writing model shards)\b.*\[")
-TOOLS = {"pythia": (p2d, "pythia_to_dcpythia.py", "dcformer-convert-pythia"),
-         "caiyun": (caiyun_to_hf, "caiyun_to_hf.py", "dcformer-convert-released")}  # fmt: skip
+TOOLS = {"pythia": (p2d, "pythia.py", "dcformer-convert-pythia"),
+         "released": (released_converter, "released.py", "dcformer-convert-released")}  # fmt: skip
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def assert_one_line(err: str, *needles: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 27, item 7: `python conversion/X.py` runs, from any directory, like its console script
+# `python conversion/X.py` runs, from any directory, like its console script
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tool", list(TOOLS))
 def test_converter_runs_as_a_file_and_as_its_console_script(tool, tmp_path, capsys):
@@ -102,7 +103,7 @@ def test_converter_runs_as_a_file_and_as_its_console_script(tool, tmp_path, caps
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 28, item 9: provenance a reader can use; the fingerprint of the converted weights
+# Provenance a reader can use; the fingerprint of the converted weights
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tool", list(TOOLS))
 def test_local_source_is_recorded_by_its_folder_name_only(tool, neox, released, tmp_path, capsys):
@@ -153,12 +154,12 @@ def test_provenance_of_a_hub_id_source(tmp_path):
     assert local["converted_from"] is None and local["converted_from_folder"] == tmp_path.name
 
 
-@pytest.mark.parametrize("tool, dtype", [("pythia", None), ("caiyun", None), ("caiyun", "bfloat16")])
+@pytest.mark.parametrize("tool, dtype", [("pythia", None), ("released", None), ("released", "bfloat16")])
 def test_fingerprint_tells_converted_weights_from_fine_tuned_ones(tool, dtype, neox, released, tmp_path, capsys):
-    """`conversion.weights` is the fingerprint (weights_fingerprint) of the weights the conversion wrote: equal
+    """`conversion.weights` is the fingerprint (`model_fingerprint`) of the weights the conversion wrote: equal
     for the loaded model, different once a training step changed it (what a card needs before it says the model
     computes the source's function)."""
-    from modeling_dcformer.model_card import weights_fingerprint
+    from modeling_dcformer.checkpoints.fingerprint import model_fingerprint
 
     cast = ["--dtype", dtype] if dtype else []
     code, err = run_main(tool, argv(tool, source_of(tool, neox, released), tmp_path / "out", *cast), capsys)
@@ -166,15 +167,15 @@ def test_fingerprint_tells_converted_weights_from_fine_tuned_ones(tool, dtype, n
     model = DCFormerForCausalLM.from_pretrained(tmp_path / "out")
     assert model.dtype == getattr(torch, dtype or "float32")
     recorded = model.config.conversion["weights"]
-    assert recorded.startswith("sha256:") and recorded == weights_fingerprint(model)
+    assert recorded.startswith("sha256:") and recorded == model_fingerprint(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     model(torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
     optimizer.step()
-    assert weights_fingerprint(model) != recorded
+    assert model_fingerprint(model) != recorded
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 30, items 3 and 8: symbolically linked destinations; destinations that cannot be replaced
+# Symbolically linked destinations; destinations that cannot be replaced
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tool", list(TOOLS))
 def test_overwrite_through_a_symlink_writes_the_folder_it_names(tool, neox, released, tmp_path, capsys):
@@ -258,7 +259,7 @@ def test_mount_point_destination_is_refused_at_once(neox, tmp_path, capsys, monk
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 30, item 11: a failed write, a truncated source, a config that is not JSON: one line naming the file
+# A failed write, a truncated source, a config that is not JSON: one line naming the file
 # ----------------------------------------------------------------------------------------------------------------
 def disk_full(*args, **kwargs):
     """safetensors' own error for a full disk (what `save_file` raises on ENOSPC)."""
@@ -300,10 +301,10 @@ def test_a_real_failed_write_is_one_line(released, tmp_path):
     dst = tmp_path / "out"
     driver = (
         "import resource, signal, sys\n"
-        "from modeling_dcformer.conversion import caiyun_to_hf\n"
+        "from modeling_dcformer.conversion import released as released_converter\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
-        f"sys.exit(caiyun_to_hf.main([{str(released)!r}, {str(dst)!r}]))\n"
+        f"sys.exit(released_converter.main([{str(released)!r}, {str(dst)!r}]))\n"
     )
     result = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
@@ -367,7 +368,7 @@ def test_fingerprint_of_a_mixed_dtype_checkpoint(tmp_path):
     """Tensors stored in another dtype than the config's load cast to it: the fingerprint hashes them so cast."""
     from safetensors.torch import save_file
 
-    from modeling_dcformer.model_card import weights_fingerprint
+    from modeling_dcformer.checkpoints.fingerprint import checkpoint_fingerprint, model_fingerprint
 
     config = DCFormerConfig(vocab_size=64, hidden_size=24, num_hidden_layers=1, num_attention_heads=3,
                             intermediate_size=48, tie_word_embeddings=True, dtype="float32")  # fmt: skip
@@ -379,11 +380,11 @@ def test_fingerprint_of_a_mixed_dtype_checkpoint(tmp_path):
     config.save_pretrained(tmp_path / "m")
     model = DCFormerForCausalLM.from_pretrained(tmp_path / "m")
     assert model.dtype == torch.float32
-    assert common.checkpoint_fingerprint(tmp_path / "m", config) == weights_fingerprint(model)
+    assert checkpoint_fingerprint(tmp_path / "m", config) == model_fingerprint(model)
 
 
 def test_output_mode_follows_the_umask_and_an_existing_folders_mode(neox, tmp_path, capsys):
-    """Issue 30, item 1, through the converters: not the 0700 of a temporary folder."""
+    """Through the converters: not the 0700 of a temporary folder."""
     dst = tmp_path / "out"
     old_umask = os.umask(0o022)
     try:

@@ -1,4 +1,4 @@
-"""What is specific to the "kernel" DCMHA backend (`modeling_dcformer/cpu_kernel.py` and `csrc/dcmha_cpu.cpp`, the
+"""What is specific to the "cpu" DCMHA backend (`modeling_dcformer/kernels/dcmha_cpu.py` and `csrc/dcmha_cpu.cpp`, the
 operator `torch.ops.dcformer.compose_softmax_compose_`); the checks shared by every backend (models against the
 oracle, decoding, half precision, probabilities) are in test_dcmha_backends.py.
 
@@ -10,7 +10,7 @@ oracle, decoding, half precision, probabilities) are in test_dcmha_backends.py.
   layouts refused;
 - the backward operator (`compose_softmax_compose_backward_`) on one chunk against autograd through the same float64
   Compose (the products' and every factor's gradient, the same cases), half precision and threads in training;
-- where it applies: "auto" uses it for inference and training on CPU; "kernel" elsewhere is a clear error;
+- where it applies: "auto" uses it for inference and training on CPU; "cpu" elsewhere is a clear error;
 - the operator under torch.compile (its fake implementation) and its own argument checks;
 - building: verified cached builds (a corrupt one is rebuilt), what a machine without a compiler gets.
 """
@@ -24,8 +24,9 @@ import sys
 import pytest
 import torch
 
-from helpers import VOCAB, assert_close, assert_close_to_scale, build_model, make_config
-from modeling_dcformer import cpu_kernel, dcmha
+from helpers import VOCAB, assert_close, assert_close_to_scale, build_model, make_config, registered
+from modeling_dcformer import dcmha
+from modeling_dcformer.kernels import build, dcmha_cpu
 from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHAInputs
 from oracle import oracle_attention, oracle_compose, oracle_dynamic_weights
 
@@ -34,8 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_built():
-    if not cpu_kernel.available():
-        pytest.skip(f"the CPU kernel cannot be built here: {cpu_kernel.KERNEL.failure}")
+    if not dcmha_cpu.available():
+        pytest.skip(f"the CPU kernel cannot be built here: {dcmha_cpu.CPU.failure}")
 
 
 def oracle_chunk(raw, qt, kt, allowed, scale, rank):
@@ -111,12 +112,12 @@ def time_last(terms):
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_chunk_matches_oracle(case, rows, monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "rows_per_tile", lambda heads, keys: rows)
+    monkeypatch.setattr(dcmha_cpu, "rows_per_tile", lambda heads, keys: rows)
     x = chunk_case(case, len(case) * 10 + rows)
     raw, qt, kt, pad, qpos0, kpos0, allowed, window, I, G = (x[k] for k in "raw qt kt pad qpos0 kpos0 allowed window I G".split())
     t0, s0, c, s = x["t0"], x["s0"], x["c"], x["s"]
     scores = raw.clone()
-    out = cpu_kernel.compose_softmax_compose(
+    out = dcmha_cpu.compose_softmax_compose(
         scores, time_last(qt), t0, time_last(kt), s0, pad, qpos0, kpos0, window, 0.3, I, G
     )
     assert out.data_ptr() == scores.data_ptr()  # in place
@@ -131,23 +132,23 @@ def test_kernel_chunk_matches_oracle(case, rows, monkeypatch):
 
 
 def cpu_has_avx512() -> bool:
-    return " avx512f" in cpu_kernel.cpu_signature()  # the CPU's flags, as the kernel's build key reads them
+    return " avx512f" in build.cpu_signature()  # the CPU's flags, as the kernel's build key reads them
 
 
 def test_the_kernel_is_built_for_this_cpus_vector_width():
     """16-float vectors where the CPU has AVX-512, else 8 (or what DCFORMER_TEST_KERNEL_CFLAGS chose: conftest.py)."""
     forced_8 = "-mno-avx512f" in os.environ.get("DCFORMER_TEST_KERNEL_CFLAGS", "")
-    assert cpu_kernel.vector_width() == (16 if cpu_has_avx512() and not forced_8 else 8)
+    assert dcmha_cpu.vector_width() == (16 if cpu_has_avx512() and not forced_8 else 8)
 
 
 def test_the_models_score_layout_is_the_one_the_operator_composes_in_place():
     """HEAD_STAGGER (Python's score layout) and STRIDE (the C++ operator's block stride) are one number kept in two
     languages: where they differ the operator still computes the right scores, on copies (slower), so only this
     test would notice. The layout's head stride is STRIDE modulo 4 KiB at several chunk shapes."""
-    stride = cpu_kernel.block_stride()
-    assert stride == cpu_kernel.HEAD_STAGGER, (stride, cpu_kernel.HEAD_STAGGER)
+    stride = dcmha_cpu.block_stride()
+    assert stride == dcmha_cpu.HEAD_STAGGER, (stride, dcmha_cpu.HEAD_STAGGER)
     for c, s in [(64, 1024), (64, 64), (5, 7), (128, 2048)]:
-        _, strides = cpu_kernel.score_layout(2, 12, c, s)
+        _, strides = dcmha_cpu.score_layout(2, 12, c, s)
         assert strides[1] % 1024 == stride and strides[1] >= c * s, (c, s, strides)
 
 
@@ -176,7 +177,7 @@ def laid_out(raw: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor
     tensor)."""
     B, N, c, s = raw.shape
     if layout == "staggered":
-        size, strides = cpu_kernel.score_layout(B, N, c, s)
+        size, strides = dcmha_cpu.score_layout(B, N, c, s)
     elif layout == "padded":
         row, head = s + 5, (s + 5) * c + 3
         size, strides = B * (N * head + 7), (N * head + 7, head, row, 1)
@@ -198,10 +199,10 @@ def test_kernel_chunk_in_other_layouts(case, layout):
     x = chunk_case(case, 7)
     raw, qt, kt, pad, qpos0, kpos0, allowed, window, I, G = (x[k] for k in "raw qt kt pad qpos0 kpos0 allowed window I G".split())
     args = (time_last(qt), x["t0"], time_last(kt), x["s0"], pad, qpos0, kpos0, window, 0.3, I, G)
-    contiguous = cpu_kernel.compose_softmax_compose(raw.clone(), *args)
+    contiguous = dcmha_cpu.compose_softmax_compose(raw.clone(), *args)
     scores, storage = laid_out(raw, layout)
     untouched = storage.clone()
-    out = cpu_kernel.compose_softmax_compose(scores, *args)
+    out = dcmha_cpu.compose_softmax_compose(scores, *args)
     assert out.data_ptr() == scores.data_ptr() and out.stride() == scores.stride()
     assert torch.equal(scores, contiguous)
     ref = oracle_chunk(raw, qt[:, x["t0"] : x["t0"] + x["c"]], None if kt is None else kt[:, x["s0"] : x["s0"] + x["s"]],
@@ -218,11 +219,11 @@ def test_kernel_refuses_scores_whose_rows_overlap():
     B, G, M, I, c, s = 2, 1, 2, 1, 3, 16
     qt = torch.zeros(B, G, 2, 2 * I + 1, M, c)
     storage = torch.zeros(5000)
-    run = lambda scores: cpu_kernel.compose_softmax_compose(scores, qt, 0, None, 0, None, 0, 0, None, 1.0, I, G)  # noqa: E731
+    run = lambda scores: dcmha_cpu.compose_softmax_compose(scores, qt, 0, None, 0, None, 0, 0, None, 1.0, I, G)  # noqa: E731
     for strides in [(96, 48, 8, 1), (96, 40, 16, 1), (80, 48, 16, 1), (96, 48, 16, 2)]:
         with pytest.raises(ValueError, match="laid out|contiguous"):  # rows, heads, batches overlap; keys strided
             run(storage.as_strided((B, G * M, c, s), strides))
-    for strides in [(96, 48, 16, 1), (200, 60, 20, 1), cpu_kernel.score_layout(B, G * M, c, s)[1]]:
+    for strides in [(96, 48, 16, 1), (200, 60, 20, 1), dcmha_cpu.score_layout(B, G * M, c, s)[1]]:
         run(storage.as_strided((B, G * M, c, s), strides))
     with pytest.raises(ValueError, match="float32"):
         run(torch.zeros(B, G * M, c, s, dtype=torch.float64))
@@ -245,7 +246,7 @@ def test_kernel_gradient_matches_oracle(case):
     scores, dscores = raw.clone(), grad.clone()
     dqt = torch.zeros_like(time_last(qt))
     dkt = None if kt is None else torch.zeros_like(time_last(kt))
-    out = cpu_kernel.compose_softmax_compose_backward(
+    out = dcmha_cpu.compose_softmax_compose_backward(
         scores, dscores, time_last(qt), t0, time_last(kt), s0, pad, x["qpos0"], x["kpos0"], x["window"], 0.3, I, G,
         dqt, dkt,
     )  # fmt: skip
@@ -280,17 +281,17 @@ def test_kernel_training_in_half_precision_and_on_threads(monkeypatch):
         out.float().square().sum().backward()
         return [t.grad for t in leaves]
 
-    for ours, eager in zip(grads("kernel", torch.bfloat16), grads("eager", torch.bfloat16)):
+    for ours, eager in zip(grads("cpu", torch.bfloat16), grads("eager", torch.bfloat16)):
         assert ours.dtype == torch.bfloat16
         scale = eager.float().abs().max().item()
         torch.testing.assert_close(ours.float(), eager.float(), rtol=3e-2, atol=3e-2 * scale)
-    one = grads("kernel", torch.float32)
-    monkeypatch.setattr(cpu_kernel, "PARALLEL_MIN_SCORES", 0)
-    monkeypatch.setattr(cpu_kernel, "_parallel_pid", None)
+    one = grads("cpu", torch.float32)
+    monkeypatch.setattr(dcmha_cpu, "PARALLEL_MIN_SCORES", 0)
+    monkeypatch.setattr(dcmha_cpu, "_parallel_pid", None)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        two = grads("kernel", torch.float32)
+        two = grads("cpu", torch.float32)
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(one, two):
@@ -308,16 +309,16 @@ def chunk_inputs(B=2, G=2, M=4, I=2, c=32, s=200, seed=5):
 def test_kernel_threads_give_the_same_numbers(monkeypatch):
     """Tiles spread over PyTorch's intra-op threads: each tile is computed alone, so the numbers do not depend on
     them."""
-    monkeypatch.setattr(cpu_kernel, "PARALLEL_MIN_SCORES", 0)  # this small chunk too
-    monkeypatch.setattr(cpu_kernel, "_parallel_pid", None)
+    monkeypatch.setattr(dcmha_cpu, "PARALLEL_MIN_SCORES", 0)  # this small chunk too
+    monkeypatch.setattr(dcmha_cpu, "_parallel_pid", None)
     raw, qt, kt, I, G = chunk_inputs()
     c, s = raw.shape[2:]
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        assert cpu_kernel.runs_parallel(raw.numel()) == (threads > 1)
+        assert dcmha_cpu.runs_parallel(raw.numel()) == (threads > 1)
         scores = raw.clone()
-        cpu_kernel.compose_softmax_compose(scores, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
+        dcmha_cpu.compose_softmax_compose(scores, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
         results.append(scores)
     assert torch.equal(results[0], results[1])
 
@@ -325,20 +326,20 @@ def test_kernel_threads_give_the_same_numbers(monkeypatch):
 def test_a_forked_child_runs_the_kernel_on_its_own_thread(monkeypatch):
     """After the kernel ran in parallel, a forked child (whose parent's OpenMP threads do not exist there) runs it
     on the calling thread, and finishes."""
-    monkeypatch.setattr(cpu_kernel, "PARALLEL_MIN_SCORES", 0)
-    monkeypatch.setattr(cpu_kernel, "_parallel_pid", None)
+    monkeypatch.setattr(dcmha_cpu, "PARALLEL_MIN_SCORES", 0)
+    monkeypatch.setattr(dcmha_cpu, "_parallel_pid", None)
     torch.set_num_threads(2)
     raw, qt, kt, I, G = chunk_inputs()
     c, s = raw.shape[2:]
     scores, again = raw.clone(), raw.clone()
-    cpu_kernel.compose_softmax_compose(scores, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
-    assert cpu_kernel._parallel_pid == os.getpid()
+    dcmha_cpu.compose_softmax_compose(scores, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
+    assert dcmha_cpu._parallel_pid == os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: no new tensor (PyTorch's own parallel copies would hang here), only the kernel
         signal.alarm(30)
         try:
-            assert not cpu_kernel.runs_parallel(raw.numel())
-            cpu_kernel.compose_softmax_compose(again, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
+            assert not dcmha_cpu.runs_parallel(raw.numel())
+            dcmha_cpu.compose_softmax_compose(again, qt, 0, kt, 0, None, s - c, 0, None, 0.125, I, G)
             same = again.view(-1)[:2000].tolist() == scores.view(-1)[:2000].tolist()  # serial, unlike torch.equal
             os._exit(0 if same else 3)
         except BaseException:
@@ -348,16 +349,16 @@ def test_a_forked_child_runs_the_kernel_on_its_own_thread(monkeypatch):
 
 
 def count_operator_calls(monkeypatch, *names: str) -> dict:
-    """Counts the calls of the `cpu_kernel` functions `names` (a dict, updated as they run)."""
+    """Counts the calls of the `dcmha_cpu` functions `names` (a dict, updated as they run)."""
     calls = dict.fromkeys(names, 0)
     for name in names:
-        real = getattr(cpu_kernel, name)
+        real = getattr(dcmha_cpu, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
             calls[_name] += 1
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(cpu_kernel, name, counted)
+        monkeypatch.setattr(dcmha_cpu, name, counted)
     return calls
 
 
@@ -365,7 +366,7 @@ def test_auto_uses_the_kernel_for_inference_and_training(monkeypatch):
     calls = count_operator_calls(monkeypatch, "compose_softmax_compose", "compose_softmax_compose_backward")
     model = build_model(make_config(num_hidden_layers=2, dcmha_implementation="auto"))
     # more queries than the decode operator takes: the chunked path
-    ids = torch.randint(0, VOCAB, (1, cpu_kernel.DECODE_MAX_QUERIES + 5), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, VOCAB, (1, dcmha_cpu.DECODE_MAX_QUERIES + 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         inference = model(ids).logits
     assert calls == {"compose_softmax_compose": 2, "compose_softmax_compose_backward": 0}  # one chunk per layer
@@ -405,17 +406,17 @@ def test_chunk_spans_take_a_cap_on_queries():
 
 @pytest.mark.parametrize("chunk", [128, 32])
 def test_kernel_chunks_hold_at_most_its_cap_of_queries(chunk, monkeypatch):
-    """The kernel attends KERNEL_CHUNK_QUERIES queries at a time where attention_chunk_size allows more (less masked
+    """The kernel attends CHUNK_QUERIES queries at a time where attention_chunk_size allows more (less masked
     work per causal chunk), and the config's chunk where it is smaller; forward and gradients equal eager's (which
     keeps the config's chunks)."""
-    cap = cpu_kernel.KERNEL_CHUNK_QUERIES
+    cap = dcmha_cpu.CHUNK_QUERIES
     assert cap < 128
     calls = count_operator_calls(monkeypatch, "compose_softmax_compose", "compose_softmax_compose_backward")
     config = make_config(num_hidden_layers=2, attention_chunk_size=chunk, max_position_embeddings=256)
     model = build_model(config)
     ids = torch.randint(0, VOCAB, (2, 2 * cap + 3), generator=torch.Generator().manual_seed(5))
     per_layer = -(-ids.shape[1] // min(chunk, cap))
-    model.config.dcmha_implementation = "kernel"
+    model.config.dcmha_implementation = "cpu"
     kernel_logits = model(ids).logits
     kernel_logits.sum().backward()
     assert calls == {"compose_softmax_compose": 2 * per_layer, "compose_softmax_compose_backward": 2 * per_layer}
@@ -436,7 +437,7 @@ def probe(requires_grad=False, device="cpu", rank=2):
 
 
 def test_kernel_is_a_clear_error_where_it_cannot_run():
-    kernel = DCMHA_BACKENDS["kernel"]
+    kernel = DCMHA_BACKENDS["cpu"]
     assert "output_attentions" in kernel.why_not(probe(requires_grad=True), output_attentions=True)
     assert kernel.why_not(probe(requires_grad=True)) is None
     many = DCMHAInputs(*(torch.zeros(1, 258, 2, 4, requires_grad=True) for _ in range(3)),
@@ -445,21 +446,21 @@ def test_kernel_is_a_clear_error_where_it_cannot_run():
     with torch.no_grad():
         assert kernel.why_not(many) is None  # inference has no such limit
     assert "runs on CPU" in kernel.why_not(probe(device="meta"))
-    assert "rank" in kernel.why_not(probe(rank=cpu_kernel.MAX_RANK + 1))
+    assert "rank" in kernel.why_not(probe(rank=dcmha_cpu.MAX_RANK + 1))
     assert kernel.why_not(probe()) is None
     with pytest.raises(ValueError, match="float32 CPU scores"):
-        cpu_kernel.compose_softmax_compose(
+        dcmha_cpu.compose_softmax_compose(
             torch.zeros(1, 2, 3, 4, dtype=torch.float64), torch.zeros(1, 1, 2, 5, 2, 3), 0, None, 0, None, 0, 0,
             None, 1.0, 2, 1,
         )  # fmt: skip
     with pytest.raises(ValueError, match="do not match"):
-        cpu_kernel.compose_softmax_compose(
+        dcmha_cpu.compose_softmax_compose(
             torch.zeros(1, 2, 3, 4), torch.zeros(1, 1, 2, 5, 3, 3), 0, None, 0, None, 0, 0, None, 1.0, 2, 1
         )
     raw, qt = torch.zeros(1, 2, 3, 4), torch.zeros(1, 1, 2, 5, 2, 3)
 
     def backward(grad, query_terms_grad):
-        return cpu_kernel.compose_softmax_compose_backward(
+        return dcmha_cpu.compose_softmax_compose_backward(
             raw.clone(), grad, qt, 0, None, 0, None, 0, 0, None, 1.0, 2, 1, query_terms_grad, None
         )
 
@@ -482,7 +483,7 @@ def test_auto_keeps_the_gradient_of_any_input():
     for implementation in ("auto", "eager"):
         value = v.clone().requires_grad_()
         inputs = DCMHAInputs(q, k, value, qt, kt, 0, 0, None, None, I, G, 4)
-        assert dcmha.choose_auto(inputs).name == "kernel"
+        assert dcmha.choose_auto(inputs).name == "cpu"
         out, _ = dcmha.dcmha_attention(inputs, implementation)
         out.sum().backward()
         grads[implementation] = value.grad
@@ -495,7 +496,7 @@ def test_kernel_refuses_bounds_it_would_read_past():
     B, G, M, I, c, s = 1, 1, 2, 1, 3, 5
     scores = torch.zeros(B, G * M, c, s)
     qt, kt = torch.zeros(B, G, 2, 2 * I + 1, M, 4), torch.zeros(B, G, 2, 2 * I + 1, M, 6)
-    run = lambda *a: cpu_kernel.compose_softmax_compose(scores, *a, 0, 0, None, 1.0, I, G)  # noqa: E731
+    run = lambda *a: dcmha_cpu.compose_softmax_compose(scores, *a, 0, 0, None, 1.0, I, G)  # noqa: E731
     with pytest.raises(ValueError, match="queries"):
         run(qt, 2, kt, 0, None)
     with pytest.raises(ValueError, match="keys"):
@@ -524,20 +525,19 @@ def test_the_operator_traces_under_torch_compile():
 
 
 def test_without_a_compiler_auto_does_without_and_kernel_says_why(monkeypatch, tmp_path):
-    """A machine without a C++ compiler: "auto" gives eager's numbers, "kernel" says why; the failure is kept on the
-    backend object."""
+    """A machine without a C++ compiler (none on the PATH, no $CXX): "auto" gives eager's numbers, "cpu" says why,
+    and nothing is written to the cache."""
     monkeypatch.setenv("DCFORMER_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "compiler", lambda: None)
-    lazy = DCMHA_BACKENDS["kernel"]
-    monkeypatch.setattr(lazy, "_backend", cpu_kernel.CPUKernelBackend())
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CXX", raising=False)
     model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="eager"))
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad(), registered("cpu", dcmha_cpu.CPUBackend()) as unbuilt:
         expected = model(ids).logits
         model.config.dcmha_implementation = "auto"
         assert_close(model(ids).logits, expected)
-        assert "no C++ compiler" in lazy.backend.failure
-        model.config.dcmha_implementation = "kernel"
+        assert "no C++ compiler" in unbuilt.why_not(probe())
+        model.config.dcmha_implementation = "cpu"
         with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
             model(ids)
     assert list(tmp_path.iterdir()) == []
@@ -547,13 +547,13 @@ def test_a_failed_build_leaves_no_library(monkeypatch, tmp_path):
     source = tmp_path / "broken.cpp"
     source.write_text("this is not C++;\n")
     monkeypatch.setenv("DCFORMER_CACHE", str(tmp_path / "cache"))
-    backend = cpu_kernel.CPUKernelBackend(source)
+    library = build.OperatorLibrary(source)
     with pytest.raises(RuntimeError, match="cannot be built"):
-        backend.load()
+        library.load()
     # nothing but the entry's (empty) lock file: no library, no private build folder
     assert [p for p in (tmp_path / "cache").rglob("*") if p.suffix != ".lock"] == []
     with pytest.raises(RuntimeError, match="cannot be built"):  # remembered: no second build
-        backend.load()
+        library.load()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -600,9 +600,9 @@ def decode_oracle(inputs: DCMHAInputs, composed: bool = True) -> torch.Tensor:
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_operator_matches_oracle(case):
     inputs = decode_case(case, seed=len(case))
-    assert cpu_kernel.is_decode_call(inputs)
+    assert dcmha_cpu.is_decode_call(inputs)
     with torch.no_grad():
-        out = cpu_kernel.decode_attention(inputs)  # [B, T, N, Dh]
+        out = dcmha_cpu.decode_attention(inputs)  # [B, T, N, Dh]
     ref = decode_oracle(inputs)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert (decode_oracle(inputs, composed=False) - ref).abs().max() > 1e-2  # the test can fail
@@ -612,28 +612,28 @@ def test_decode_operator_is_taken_only_where_it_applies():
     """A few fp32 queries without gradient or probabilities go to the decode operator; more queries, half
     precision, a gradient or output_attentions take the chunked path, with the same numbers."""
     inputs = decode_case("groups-padding", seed=3)
-    kernel = DCMHA_BACKENDS["kernel"]
+    kernel = DCMHA_BACKENDS["cpu"]
     with torch.no_grad():
         fused, _ = kernel(inputs)
         chunked, probs = kernel(inputs, output_attentions=True)
-    assert cpu_kernel.is_decode_call(inputs) and not cpu_kernel.is_decode_call(inputs, output_attentions=True)
+    assert dcmha_cpu.is_decode_call(inputs) and not dcmha_cpu.is_decode_call(inputs, output_attentions=True)
     assert probs is not None
     assert_close(fused, chunked)
-    assert inputs.shapes[2] <= cpu_kernel.DECODE_MAX_QUERIES
-    longer = DCMHAInputs(*(torch.zeros(1, 4, cpu_kernel.DECODE_MAX_QUERIES + 1, 8) for _ in range(3)),
-                         torch.zeros(1, cpu_kernel.DECODE_MAX_QUERIES + 1, 1, 2, 5, 4), None, 0, 0, None, None, 2, 1,
+    assert inputs.shapes[2] <= dcmha_cpu.DECODE_MAX_QUERIES
+    longer = DCMHAInputs(*(torch.zeros(1, 4, dcmha_cpu.DECODE_MAX_QUERIES + 1, 8) for _ in range(3)),
+                         torch.zeros(1, dcmha_cpu.DECODE_MAX_QUERIES + 1, 1, 2, 5, 4), None, 0, 0, None, None, 2, 1,
                          256)  # fmt: skip
-    assert not cpu_kernel.is_decode_call(longer)
+    assert not dcmha_cpu.is_decode_call(longer)
     half = DCMHAInputs(inputs.query.bfloat16(), inputs.key.bfloat16(), inputs.value.bfloat16(), inputs.query_terms,
                        inputs.key_terms, inputs.query_start, inputs.key_start, inputs.key_padding_mask,
                        inputs.window_size, inputs.rank, inputs.num_groups, 256)  # fmt: skip
-    assert not cpu_kernel.is_decode_call(half)
+    assert not dcmha_cpu.is_decode_call(half)
     with torch.no_grad():
         assert_close(kernel(half)[0], fused, atol=0.05, rtol=0.05)  # the chunked path in bf16
     grad = DCMHAInputs(inputs.query.clone().requires_grad_(), inputs.key, inputs.value, inputs.query_terms,
                        inputs.key_terms, inputs.query_start, inputs.key_start, inputs.key_padding_mask,
                        inputs.window_size, inputs.rank, inputs.num_groups, 256)  # fmt: skip
-    assert not cpu_kernel.is_decode_call(grad)
+    assert not dcmha_cpu.is_decode_call(grad)
     trained = kernel(grad)[0]
     assert trained.requires_grad
     assert_close(trained.detach(), fused)
@@ -645,7 +645,7 @@ def test_decode_operator_refuses_operands_that_do_not_match():
     pad = inputs.key_padding_mask.to(torch.uint8).contiguous()
 
     def run(q=q, k=k, v=v, qt=qt, kt=kt, pad=pad, rank=inputs.rank, groups=inputs.num_groups):
-        with cpu_kernel.operator_errors():
+        with dcmha_cpu.operator_errors():
             return torch.ops.dcformer.dcmha_decode(q, k, v, qt, kt, pad, inputs.query_start, inputs.key_start, 0,
                                                    0.1, rank, groups, False)
 
@@ -663,7 +663,7 @@ def test_decode_operator_refuses_operands_that_do_not_match():
     with pytest.raises(ValueError, match="last contiguous"):
         run(k=k.transpose(2, 3).contiguous().transpose(2, 3))
     with pytest.raises(ValueError, match="dynamic_rank"):
-        run(rank=cpu_kernel.MAX_RANK + 1)
+        run(rank=dcmha_cpu.MAX_RANK + 1)
 
 
 # R <= 4 rows: the operator's own products (a decode step); more: ATen's
@@ -676,7 +676,7 @@ def test_dynamic_terms_operator_matches_oracle(G, C, K, I, M, R):
     dw1 = torch.randn(D, G, C, K, generator=gen) / D**0.5
     qkw = torch.randn(G, C, K, 2 * I, M, generator=gen) / K**0.5
     dd = torch.randn(D, G, C * M, generator=gen) / D**0.5
-    out = cpu_kernel.dynamic_terms(x, dw1.view(D, -1), dd.view(D, -1), qkw, I, 1e-6)
+    out = dcmha_cpu.dynamic_terms(x, dw1.view(D, -1), dd.view(D, -1), qkw, I, 1e-6)
     assert out.shape == (R, G, C, 2 * I + 1, M)
     slots = oracle_dynamic_weights(x.double()[None], dw1.double(), qkw.double(), dd.double(), I)
     for c, (w1, w2, diag) in enumerate(slots):
@@ -685,29 +685,29 @@ def test_dynamic_terms_operator_matches_oracle(G, C, K, I, M, R):
         torch.testing.assert_close(out[:, :, c, 2 * I].double(), diag[0], atol=1e-5, rtol=1e-5)
     rows = torch.randn(R, 2 * D, generator=gen)[:, 3 : 3 + D]  # the same rows, not contiguous with each other
     rows.copy_(x)
-    torch.testing.assert_close(cpu_kernel.dynamic_terms(rows, dw1.view(D, -1), dd.view(D, -1), qkw, I, 1e-6), out)
+    torch.testing.assert_close(dcmha_cpu.dynamic_terms(rows, dw1.view(D, -1), dd.view(D, -1), qkw, I, 1e-6), out)
     # the parameters as the model holds them (dw1 [D, G, C, K], dd [D, G, C*M]) and x [batch, time, D]: viewed 2-D by
     # the operator, the same factors
-    assert torch.equal(cpu_kernel.dynamic_terms(x.view(1, R, D), dw1, dd, qkw, I, 1e-6), out)
+    assert torch.equal(dcmha_cpu.dynamic_terms(x.view(1, R, D), dw1, dd, qkw, I, 1e-6), out)
     with pytest.raises(ValueError, match=r"dw1 \[D, \.\.\.\]"):
-        cpu_kernel.dynamic_terms(x, dw1.reshape(-1), dd, qkw, I, 1e-6)
+        dcmha_cpu.dynamic_terms(x, dw1.reshape(-1), dd, qkw, I, 1e-6)
     with pytest.raises(ValueError, match="do not match"):
-        cpu_kernel.dynamic_terms(x, dw1.view(D, -1)[:, 1:], dd.view(D, -1), qkw, I, 1e-6)
+        dcmha_cpu.dynamic_terms(x, dw1.view(D, -1)[:, 1:], dd.view(D, -1), qkw, I, 1e-6)
     with pytest.raises(ValueError, match="2 \\* rank"):
-        cpu_kernel.dynamic_terms(x, dw1.view(D, -1), dd.view(D, -1), qkw, I + 1, 1e-6)
+        dcmha_cpu.dynamic_terms(x, dw1.view(D, -1), dd.view(D, -1), qkw, I + 1, 1e-6)
     with pytest.raises(ValueError, match="float32"):
-        cpu_kernel.dynamic_terms(x.double(), dw1.view(D, -1), dd.view(D, -1), qkw, I, 1e-6)
+        dcmha_cpu.dynamic_terms(x.double(), dw1.view(D, -1), dd.view(D, -1), qkw, I, 1e-6)
 
 
 def test_where_the_model_uses_the_inference_operators(monkeypatch):
-    """"auto" and "kernel" inference in fp32 use both operators for a few queries (up to 16 rows of batch x time:
+    """"auto" and "cpu" inference in fp32 use both operators for a few queries (up to 16 rows of batch x time:
     here 2 x 7) and neither for more; training, half precision, autocast and "eager" use neither; the logits are
     eager's every time."""
     calls = count_operator_calls(monkeypatch, "decode_attention", "dynamic_terms", "compose_softmax_compose")
     model = build_model(make_config(num_hidden_layers=2, num_head_groups=2, window_size=4, window_type="LG"))
     short, long = (torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(n))
-                   for n in (7, cpu_kernel.DECODE_MAX_QUERIES + 3))  # fmt: skip
-    assert short.numel() <= cpu_kernel.DECODE_MAX_QUERIES < long.shape[1]
+                   for n in (7, dcmha_cpu.DECODE_MAX_QUERIES + 3))  # fmt: skip
+    assert short.numel() <= dcmha_cpu.DECODE_MAX_QUERIES < long.shape[1]
 
     def run(ids, implementation, grad=False, dtype=torch.float32):
         for key in calls:
@@ -721,7 +721,7 @@ def test_where_the_model_uses_the_inference_operators(monkeypatch):
     for ids in (short, long):
         eager, counts = run(ids, "eager")
         assert counts == {"decode_attention": 0, "dynamic_terms": 0, "compose_softmax_compose": 0}
-        for implementation in ("auto", "kernel"):
+        for implementation in ("auto", "cpu"):
             logits, counts = run(ids, implementation)
             assert_close(logits, eager)
             assert counts["dynamic_terms"] == counts["decode_attention"] == (2 if ids is short else 0)

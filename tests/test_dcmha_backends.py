@@ -1,11 +1,11 @@
 """One conformance suite for every DCMHA backend in the registry (`modeling_dcformer.dcmha.DCMHA_BACKENDS`), and the
 registry itself.
 
-Each built-in backend ("eager", "compiled" through torch.compile's cheap `aot_eager` backend, "kernel", "triton"
+Each built-in backend ("eager", "compiled" through torch.compile's cheap `aot_eager` backend, "cpu", "triton"
 in Triton's CPU interpreter) against the float64 oracle and the eager reference: logits with padding, windows,
 qk-norm, groups and query-wise composition; gradients; the returned probabilities; cached decoding; half precision;
 and a clear error for what it cannot do. A backend that cannot run on this machine is skipped, naming why.
-The registry: "auto"'s choice, failures remembered on the backend object, and a user's own backend.
+The registry: "auto"'s rule, failures remembered on the backend object, a user's own backend, the old name "kernel".
 """
 
 from types import SimpleNamespace
@@ -22,6 +22,7 @@ from helpers import (
     loss_and_grads,
     make_config,
     padded_batch,
+    registered,
 )
 from modeling_dcformer import DCFormerConfig, dcmha, dcmha_compiled
 from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHABackend, DCMHAInputs, DCMHAInterface
@@ -29,9 +30,9 @@ from modeling_dcformer.dcmha_compiled import COMPILED
 
 pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
-BUILT_IN = ["eager", "compiled", "kernel", "triton"]
+BUILT_IN = ["eager", "compiled", "cpu", "triton"]
 # what each built-in backend computes (the conformance checks follow from it)
-GRADIENTS = {"eager": True, "compiled": True, "kernel": True, "triton": True}
+GRADIENTS = {"eager": True, "compiled": True, "cpu": True, "triton": True}
 
 
 def probe_inputs(requires_grad: bool = False) -> DCMHAInputs:
@@ -72,10 +73,10 @@ def backend(request):
 # CPU interpreter (minutes), and "compiled" on two options sets fewer (each set traces its own graphs; the gradient
 # test runs it on SHARED's groups, windows and qk-norm).
 EXPENSIVE = pytest.mark.expensive
-TRITON_EXPENSIVE = ["eager", "compiled", "kernel", pytest.param("triton", marks=EXPENSIVE)]  # gradients
+TRITON_EXPENSIVE = ["eager", "compiled", "cpu", pytest.param("triton", marks=EXPENSIVE)]  # gradients
 # decoding: also "compiled" (each decode step a chunk of one query; on CPU "auto" decodes with the kernel, and
 # "compiled"'s forward is checked by the logits test)
-DECODE_BACKENDS = ["eager", pytest.param("compiled", marks=EXPENSIVE), "kernel", pytest.param("triton", marks=EXPENSIVE)]
+DECODE_BACKENDS = ["eager", pytest.param("compiled", marks=EXPENSIVE), "cpu", pytest.param("triton", marks=EXPENSIVE)]
 
 
 OPTIONS = {
@@ -203,89 +204,104 @@ def test_registry_lists_the_built_in_backends():
         assert DCMHA_BACKENDS[name].name == name
 
 
+class StandIn(DCMHABackend):
+    """A backend for the rule's tests: its name, its rank, and what it refuses (a predicate of the call)."""
+
+    def __init__(self, name: str, auto_rank: int | None, refuses=lambda inputs: False):
+        self.name, self.auto_rank, self.refuses = name, auto_rank, refuses
+
+    def why_not(self, inputs, output_attentions=False):
+        return self.failure or ("refused" if self.refuses(inputs) else None)
+
+
 def gpu_call(num_scores: int):
-    """What `choose_auto` reads of a call (its size and device), for a call on a CUDA GPU this machine may not have."""
-    return SimpleNamespace(num_scores=num_scores, query=SimpleNamespace(device=torch.device("cuda", 0)))
+    """What the built-in backends' rules read of a call (its size, device, rank), for a call on a CUDA GPU this
+    machine may not have."""
+    query = SimpleNamespace(device=torch.device("cuda", 0), is_cpu=False)
+    return SimpleNamespace(num_scores=num_scores, query=query, composed=True, rank=2)
 
 
-def test_auto_picks_by_size_and_device(monkeypatch):
-    """"auto": the CPU kernel, for inference and training (when it builds here); where it cannot run, for calls of at
-    least AUTO_COMPILE_MIN_SCORES scores "triton" on a GPU where Triton runs, else "compiled"; "eager" below the
-    threshold or where nothing can be compiled."""
-    kernel_ok = DCMHA_BACKENDS["kernel"].why_not(probe_inputs()) is None
+def test_auto_is_the_highest_ranked_backend_that_takes_the_call():
+    """"auto" is a pure function of the call and the backends: the highest `auto_rank` whose `why_not_auto` has no
+    objection and that has not failed here; a backend without a rank is never chosen; "eager" when none takes it."""
+    call = probe_inputs()
+    big = StandIn("big", 20, refuses=lambda inputs: inputs.num_scores < 1000)
+    small, unranked = StandIn("small", 10), StandIn("unranked", None)
+    assert dcmha.choose_auto(call, backends=[small, big, unranked]) is small  # `big` refuses 100 scores
+    assert dcmha.choose_auto(gpu_call(1000), backends=[small, big, unranked]) is big
+    assert dcmha.choose_auto(call, backends=[unranked]).name == "eager"
+    small.record_failure(RuntimeError("its build failed"))
+    assert dcmha.choose_auto(call, backends=[small, big]).name == "eager"
+    assert "its build failed" in small.why_not(call)
+
+
+def test_the_built_in_backends_rules_for_auto():
+    """The built-ins' own rules, applied by `choose_auto` to a list of them: on CPU "cpu" for inference and training
+    (where it builds); on a CUDA GPU, for calls of at least the backends' minimum of scores, "triton" from compute
+    capability 8.0 (Triton multiplies bf16 only from Ampere on), else "compiled"; "eager" below the minimum."""
+    from modeling_dcformer.kernels import CPU, TritonBackend
+
+    cpu_ok = CPU.why_not(probe_inputs()) is None
     training = probe_inputs(requires_grad=True)
     with torch.no_grad():
-        assert dcmha.choose_auto(probe_inputs()).name == ("kernel" if kernel_ok else "eager")
-    assert dcmha.choose_auto(training).name == ("kernel" if kernel_ok else "eager")
-    monkeypatch.setattr(DCMHA_BACKENDS["kernel"], "why_not", lambda *a: "not here")  # say, on a GPU
-    assert dcmha.choose_auto(training).name == "eager"  # 4 x 5 x 5 scores: below the threshold
-    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", training.num_scores)
-    monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: True)
-    assert dcmha.choose_auto(training).name == "compiled"
-    # on a GPU from Ampere on, "triton" before "compiled" where it can run, for large calls only
-    monkeypatch.setattr(DCMHA_BACKENDS["triton"], "why_not", lambda *a: None)
-    assert dcmha.choose_auto(training).name == "compiled"  # the CPU: there Triton would only interpret
-    on_gpu = gpu_call(training.num_scores)
+        assert dcmha.choose_auto(probe_inputs()).name == ("cpu" if cpu_ok else "eager")
+    assert dcmha.choose_auto(training).name == ("cpu" if cpu_ok else "eager")  # the registered backends
+    assert dcmha.choose_auto(training, backends=[COMPILED]).name == "eager"  # 4 x 5 x 5 scores: below the minimum
+    compiled = dcmha_compiled.CompiledBackend(auto_min_scores=training.num_scores)
+    assert dcmha.choose_auto(training, backends=[compiled]) is compiled
     capability = {"value": (9, 0)}  # an H100 / H200
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
-    assert dcmha.choose_auto(on_gpu).name == "triton"
-    capability["value"] = (8, 0)  # an A100
-    assert dcmha.choose_auto(on_gpu).name == "triton"
+    triton = TritonBackend(auto_min_scores=100, device_capability=lambda device: capability["value"])
+    on_gpu, backends = gpu_call(100), [CPU, triton, dcmha_compiled.CompiledBackend(auto_min_scores=100)]
+    assert "runs on CPU" in CPU.why_not(on_gpu)
+    if triton.why_not(on_gpu) is None:  # Triton is installed
+        assert dcmha.choose_auto(on_gpu, backends=backends) is triton
+        capability["value"] = (8, 0)  # an A100
+        assert dcmha.choose_auto(on_gpu, backends=backends) is triton
     capability["value"] = (7, 5)  # a T4: no bf16 products in Triton
-    assert dcmha.choose_auto(on_gpu).name == "compiled"
-    capability["value"] = (9, 0)
-    assert dcmha.choose_auto(gpu_call(training.num_scores - 1)).name == "eager"  # below the threshold
-    monkeypatch.setattr(DCMHA_BACKENDS["triton"], "why_not", lambda *a: "Triton is not installed")
-    assert dcmha.choose_auto(on_gpu).name == "compiled"
-    monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: False)
-    assert dcmha.choose_auto(training).name == "eager"
-    assert "torch.compile cannot generate code" in COMPILED.why_not(training)
+    assert dcmha.choose_auto(on_gpu, backends=backends).name == "compiled"
+    assert dcmha.choose_auto(gpu_call(99), backends=backends).name == "eager"  # below the minimum
+    assert dcmha.choose_auto(training, backends=[triton]).name == "eager"  # the CPU: there Triton would only interpret
     assert not dcmha.compile_supported(torch.device("meta"))
 
 
-def test_a_triton_failure_is_remembered_and_auto_does_without_it(monkeypatch):
+def test_a_triton_failure_is_remembered_and_auto_does_without_it():
     """A Triton build that fails under "auto" (say, a GPU that Triton cannot compile for) is recorded on the backend:
     its why_not gives the reason from then on, so "auto" stops choosing it."""
-    from modeling_dcformer.triton_kernel import TRITON
+    from modeling_dcformer.kernels import TritonBackend
 
-    monkeypatch.setattr(TRITON, "failure", None)
-    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(DCMHA_BACKENDS["kernel"], "why_not", lambda *a: "not in this test")
-    monkeypatch.setattr(dcmha_compiled, "compile_supported", lambda device: False)
-    monkeypatch.setattr("modeling_dcformer.triton_kernel.unsupported", lambda device, rank: None)
-    inputs = SimpleNamespace(composed=True, rank=2, **vars(gpu_call(1)))
-    assert dcmha.choose_auto(inputs).name == "triton"
-    TRITON.record_failure(RuntimeError("PTX for this GPU failed"))
-    assert "PTX for this GPU failed" in TRITON.why_not(inputs)
-    assert dcmha.choose_auto(inputs).name == "eager"
+    triton = TritonBackend(auto_min_scores=1, device_capability=lambda device: (9, 0))
+    inputs = gpu_call(1)
+    if triton.why_not(inputs) is not None:
+        pytest.skip(f"Triton cannot run here: {triton.why_not(inputs)}")
+    assert dcmha.choose_auto(inputs, backends=[triton]) is triton
+    triton.record_failure(RuntimeError("PTX for this GPU failed"))
+    assert "PTX for this GPU failed" in triton.why_not(inputs)
+    assert dcmha.choose_auto(inputs, backends=[triton]).name == "eager"
 
 
-def test_auto_falls_back_to_eager_and_the_backend_remembers_the_failure(monkeypatch):
+def test_auto_falls_back_to_eager_and_the_backend_remembers_the_failure():
     """"auto" on a machine where torch.compile cannot build its code: a warning, eager's numbers, the failure kept on
     the backend object (not in a module global); asking for "compiled" itself then says why."""
 
     def broken(*args):
         raise RuntimeError("no C++ compiler worked")
 
-    monkeypatch.setattr(COMPILED, "_stages", (broken, broken, broken))
-    monkeypatch.setattr(COMPILED, "failure", None)  # restored afterwards: later tests compile again
-    monkeypatch.setattr(DCMHA_BACKENDS["kernel"], "why_not", lambda *a: "not in this test")
-    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", 1)
+    compiled = dcmha_compiled.CompiledBackend(auto_min_scores=1)
+    compiled._stages = (broken, broken, broken)  # its compiled stages, as a machine that cannot build them gets
     model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="eager"))
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad(), registered("compiled", compiled), registered("cpu", None):
         expected = model(ids).logits
         model.config.dcmha_implementation = "auto"
         assert_close(model(ids).logits, expected)
-        assert "no C++ compiler worked" in COMPILED.failure
+        assert "no C++ compiler worked" in compiled.failure
         assert dcmha.choose_auto(probe_inputs()).name == "eager"
         model.config.dcmha_implementation = "compiled"
         with pytest.raises(ValueError, match='"compiled" cannot compute this attention: .*no C\\+\\+ compiler worked'):
             model(ids)
 
 
-def test_a_users_own_backend(monkeypatch):
+def test_a_users_own_backend():
     """A backend registered by a user: a valid dcmha_implementation, called with the inputs object, its output
     used; a function is enough."""
     calls = []
@@ -294,9 +310,8 @@ def test_a_users_own_backend(monkeypatch):
         calls.append(inputs.shapes)
         return DCMHA_BACKENDS["eager"](inputs, output_attentions=output_attentions, recompute=recompute)
 
-    monkeypatch.setitem(DCMHAInterface._global_mapping, "placeholder", None)  # restores the mapping afterwards
-    DCMHAInterface.register("mine", mine)
-    try:
+    with registered("mine", mine):
+        assert "mine" in dcmha.implementation_names()
         with pytest.raises(ValueError, match="dcmha_implementation"):
             DCFormerConfig(hidden_size=32, num_attention_heads=4, dcmha_implementation="theirs")
         model = build_model(make_config(num_hidden_layers=2, dcmha_implementation="eager"))
@@ -306,20 +321,40 @@ def test_a_users_own_backend(monkeypatch):
             model.config.dcmha_implementation = "mine"
             assert_close(model(ids).logits, expected)
         assert calls == [(2, 4, 7, 7, 8)] * 2
-    finally:
-        DCMHAInterface._global_mapping.pop("mine", None)
-    with pytest.raises(ValueError, match='"auto" is the selection rule'):
-        DCMHAInterface.register("auto", mine)
+        assert dcmha.choose_auto(probe_inputs()).name != "mine"  # a function has no rank: only by name
+    assert "mine" not in dcmha.implementation_names()
+    for name in ("auto", "kernel"):
+        with pytest.raises(ValueError, match="not a name a backend can take"):
+            DCMHAInterface.register(name, mine)
+    with pytest.raises(ValueError, match="cannot be removed"):
+        DCMHAInterface.unregister("eager")
 
 
 def test_unknown_or_unavailable_backends_are_clear_errors():
+    """An unknown name; a built-in kernel where it is not registered (a save's remote code without the package)."""
     inputs = probe_inputs()
     with pytest.raises(ValueError, match="not registered"):
         dcmha.dcmha_attention(inputs, "flash")
-    missing = dcmha.LazyBackend("nothing", "no_such_module", "X")
-    assert "pip install modeling-dcformer" in missing.why_not(inputs)
-    with pytest.raises(ValueError, match="unavailable"):
-        missing(inputs)
+    with registered("triton", None), pytest.raises(ValueError, match="unavailable here.*pip install modeling-dcformer"):
+        dcmha.dcmha_attention(inputs, "triton")
+    assert "triton" in dcmha.implementation_names()  # still a valid value: a config naming it loads anywhere
+
+
+def test_the_old_name_kernel_is_cpu_with_a_deprecation_warning():
+    """ "kernel", the CPU backend's old name, is still accepted everywhere an implementation is named, with a
+    FutureWarning, and means "cpu"."""
+    with pytest.warns(FutureWarning, match='"kernel" is now called "cpu"'):
+        config = make_config(dcmha_implementation="kernel")
+    assert config.dcmha_implementation == "cpu"
+    model = build_model(make_config(num_hidden_layers=1, dcmha_implementation="eager"))
+    with pytest.warns(FutureWarning, match='"kernel" is now called "cpu"'):
+        model.set_attn_implementation("kernel")
+    assert model.config.dcmha_implementation == "cpu"
+    inputs = probe_inputs()
+    with torch.no_grad():
+        expected = dcmha.dcmha_attention(inputs, "eager")[0]
+        with pytest.warns(FutureWarning, match="now called"):
+            assert_close(dcmha.dcmha_attention(inputs, "kernel")[0], expected)
 
 
 def test_bad_implementation_in_the_config_is_a_clear_error():
@@ -340,7 +375,10 @@ def test_backend_base_class_is_the_interface():
         name = "half"
 
     backend = Half()
-    assert backend.why_not(probe_inputs()) is None
+    assert backend.why_not(probe_inputs()) is None and backend.why_not_auto(probe_inputs()) is None
+    assert backend.auto_rank is None and not backend.traced_as_eager  # by name only; traced as it is
+    backend.prepare()  # nothing to build
+    assert backend.project(*([None] * 4), 2, 1e-6) is None  # the model's own projection
     with pytest.raises(NotImplementedError):
         backend(probe_inputs())
     backend.record_failure(RuntimeError("boom"))

@@ -1,7 +1,7 @@
 """examples/demo.py, the main job, end to end on its tiny default with the smallest settings (offline, CPU):
 tiny Pythia -> verified conversion -> Trainer fine-tuning -> lm-eval on the offline tasks -> save -> native and
 isolated trust_remote_code reload -> generation -> summary; the `--pythia DIR` path; the real-size flags' mapping
-onto dcformer-train; and the output directory's safety rules. The steps are modeling_dcformer.experiments.pipeline's."""
+onto dcformer-train; and the output directory's safety rules. The steps are modeling_dcformer.demo.pipeline's."""
 
 import json
 import math
@@ -21,8 +21,8 @@ from helpers import load_example  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
 from modeling_dcformer import DCFormerForCausalLM  # noqa: E402
-from modeling_dcformer.experiments import pipeline  # noqa: E402
-from modeling_dcformer.experiments.tokenizer_utils import read_lines  # noqa: E402
+from modeling_dcformer.demo import pipeline  # noqa: E402
+from modeling_dcformer.training.tokenizer import read_lines  # noqa: E402
 
 demo = load_example("demo")  # the script, in-process
 

@@ -1,5 +1,5 @@
 """The initialisation of DCMHA's dynamic projections (`DCFormerConfig.dynamic_init`): the sample standard deviation
-of dw1, qkw and dd against the formulas of the authors' training code (written out here from issue 21, not read
+of dw1, qkw and dd against the formulas of the authors' training code (written out here from the spec, not read
 from the package), the old N(0, initializer_range) option, and that loading a checkpoint is not affected."""
 
 import math

@@ -116,7 +116,7 @@ def assert_one_line(err: str, *needles: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 28 item 10: the help says first what the wrapper adds, then lm-eval's options
+# The help says first what the wrapper adds, then lm-eval's options
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"]])
 def test_help_says_what_the_wrapper_adds_then_lm_evals_options(argv, capsys):
@@ -140,7 +140,7 @@ def test_help_says_what_the_wrapper_adds_then_lm_evals_options(argv, capsys):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 27 item 7: scripts in evals/ run as files, from any directory, as well as through their console script
+# Scripts in evals/ run as files, from any directory, as well as through their console script
 # ----------------------------------------------------------------------------------------------------------------
 def test_evals_scripts_run_as_files_and_as_console_scripts(tmp_path, capsys):
     """`python evals/X.py` from another directory with the installed package only; its help has the options of the
@@ -163,7 +163,7 @@ def test_evals_scripts_run_as_files_and_as_console_scripts(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 30 items 6 and 13: tasks, few-shot count, data directory, model, tokenizer
+# Tasks, few-shot count, data directory, model, tokenizer
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "tasks, needles",
@@ -298,7 +298,7 @@ def test_model_directory_without_tokenizer_is_one_line(model_dir, tmp_path, caps
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 28 item 7: the real task names without network: one line, at once, naming the offline route
+# The real task names without network: one line, at once, naming the offline route
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "no-network"])
 def test_real_tasks_without_network_are_one_line_before_the_model_loads(offline, model_dir, capsys, monkeypatch):

@@ -284,7 +284,7 @@ def test_cli_dcformer_and_hf_give_identical_numbers(tiny, results_bs1, tmp_path)
 def test_hf_on_gpt_neox_matches_dcformer_on_its_conversion(tokenizer, tmp_path):
     """`--model hf` on a (tiny) Pythia-style GPT-NeoX, `--model dcformer` on its DCPythia conversion (which
     computes the same function): the same accuracies, perplexity within the conversion's tolerance."""
-    convert = pytest.importorskip("modeling_dcformer.conversion.pythia_to_dcpythia").convert
+    convert = pytest.importorskip("modeling_dcformer.conversion.pythia").convert
     torch.manual_seed(0)
     neox = GPTNeoXForCausalLM(GPTNeoXConfig(
         vocab_size=len(tokenizer), hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=96,

@@ -1,8 +1,8 @@
-"""torch.export and torch.compile(fullgraph=True) of the whole causal LM with a padding mask (issue 19, item 3).
+"""torch.export and torch.compile(fullgraph=True) of the whole causal LM with a padding mask.
 
 The forward pass has no Python branch on tensor values: an exported program, with static or dynamic batch and
 length, gives the eager model's logits, and those of the float64 oracle on each row alone; a fullgraph compile
-traces every DCMHA implementation that can run on a CPU ("auto", "compiled" and "kernel" trace the eager chunks).
+traces every DCMHA implementation that can run on a CPU ("auto", "compiled" and "cpu" trace the eager chunks).
 """
 
 import pytest
@@ -65,7 +65,7 @@ def test_export_with_dynamic_batch_and_length_matches_eager_and_the_oracle():
         assert_rows_match_oracle(model, logits, ids, pad)
 
 
-@pytest.mark.parametrize("implementation", ["auto", "compiled", "kernel"])
+@pytest.mark.parametrize("implementation", ["auto", "compiled", "cpu"])
 def test_compile_fullgraph_with_a_padding_mask_matches_eager(implementation):
     model = export_model(dcmha_implementation="eager")
     input_ids, mask = padded_batch()

@@ -1,14 +1,14 @@
-"""Issue 20: nothing lost, nothing silently wrong under faults and bad input.
+"""Nothing lost, nothing silently wrong under faults and bad input.
 
 Crashes are simulated deterministically: an exception (or a snapshot of the disk, standing for a SIGKILL that runs no
 clean-up) injected at a named step. Every model and tokenizer is built here; nothing is downloaded.
 
-- converters (conversion/common.py over modeling_dcformer/atomic_dir.py): a destination is claimed for the whole run
+- converters (conversion/common.py over modeling_dcformer/checkpoints/atomic_dir.py): a destination is claimed for the whole run
   (a second conversion into it fails, another process's files are never deleted), is never the source, is replaced by
   an atomic swap (a crash at any moment leaves one complete copy), and left-overs of interrupted runs are cleaned up
   on the next run, saying so;
   --tolerance nan and a mistyped local path are one-line errors;
-- save_pretrained (modeling_dcformer/hub.py, atomic_dir.py): a file is an error; a failed re-save changes nothing;
+- save_pretrained (modeling_dcformer/publishing/saving.py, atomic_dir.py): a file is an error; a failed re-save changes nothing;
 - train_clm.py: divergence stops training without saving a non-finite model; resuming reuses the checkpoint's
   tokenizer and skips a checkpoint whose write was interrupted; bad training data is a one-line error;
 - evals: a missing model path and a limit of 0 or -1 are one-line errors.
@@ -23,9 +23,11 @@ import pytest
 import torch
 
 import modeling_dcformer  # noqa: F401  (registers the Auto classes)
-from modeling_dcformer.conversion import caiyun_to_hf, common
-from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, atomic_dir
+from modeling_dcformer.conversion import common
+from modeling_dcformer.conversion import released as released_converter
+from modeling_dcformer.conversion import pythia as p2d
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.checkpoints import atomic_dir
 from helpers import train_argv
 from released_checkpoint import released_dir
 
@@ -50,7 +52,7 @@ def crash_snapshot(parent: Path, into: Path) -> Path:
 
 
 def convert_released(src, dst, **kwargs):
-    return caiyun_to_hf.convert(str(src), str(dst), **kwargs)
+    return released_converter.convert(str(src), str(dst), **kwargs)
 
 
 @pytest.fixture
@@ -77,11 +79,11 @@ def neox(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # 1. Two conversions into one folder: the second fails, nothing the run did not create is deleted
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tool", ["caiyun", "pythia"])
+@pytest.mark.parametrize("tool", ["released", "pythia"])
 def test_second_conversion_into_the_same_destination_fails(tool, released, neox, tmp_path, monkeypatch):
-    src = released if tool == "caiyun" else neox
-    module = caiyun_to_hf if tool == "caiyun" else p2d
-    run = (lambda s, d: module.convert(str(s), str(d))) if tool == "caiyun" else (
+    src = released if tool == "released" else neox
+    module = released_converter if tool == "released" else p2d
+    run = (lambda s, d: module.convert(str(s), str(d))) if tool == "released" else (
         lambda s, d: module.convert(str(s), str(d), verify=False))
     dst = tmp_path / "out"
     other = []
@@ -128,7 +130,7 @@ def test_files_another_process_puts_into_the_destination_are_never_deleted(relea
 def test_destination_that_is_in_or_around_the_source_is_refused(where, released, tmp_path, capsys):
     before = tree(released)
     dst = {"same": released, "inside": released / "out", "holding": tmp_path}[where]
-    code = caiyun_to_hf.main([str(released), str(dst), "--overwrite"])
+    code = released_converter.main([str(released), str(dst), "--overwrite"])
     err = capsys.readouterr().err
     assert code == 2 and "source" in err and "error:" in err, err
     assert len(err.strip().splitlines()) == 1
@@ -356,7 +358,7 @@ def test_mistyped_source_path_is_one_line(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", unreachable)
     monkeypatch.chdir(tmp_path)
-    for tool in (p2d, caiyun_to_hf):
+    for tool in (p2d, released_converter):
         code = tool.main(["my-pythia", str(tmp_path / "dst")])
         err = capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1, err
@@ -453,7 +455,7 @@ HARBOUR = ROOT / "examples" / "data" / "harbour_train.txt"
 
 @pytest.fixture(scope="module")
 def train_clm():
-    from modeling_dcformer.experiments import train_clm as module
+    from modeling_dcformer.training import train_clm as module
 
     return module
 
@@ -603,13 +605,14 @@ def test_a_real_sigkill_mid_conversion_is_cleaned_up_by_the_next_run(released, t
     dst = tmp_path / "out"
     driver = textwrap.dedent(f"""
         import os, signal, sys
-        from modeling_dcformer.conversion import caiyun_to_hf, common
+        from modeling_dcformer.conversion import common
+        from modeling_dcformer.conversion import released as released_converter
         real_flush = common.ShardWriter.flush
         def flush(self):
             real_flush(self)
             os.kill(os.getpid(), signal.SIGKILL)  # output shards on disk, lock held
         common.ShardWriter.flush = flush
-        caiyun_to_hf.convert({str(released)!r}, {str(dst)!r})
+        released_converter.convert({str(released)!r}, {str(dst)!r})
     """)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     result = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""A user's first hour with a saved DCFormer and its tokenizer (issue 28 item 5), in fresh Python processes whose
+"""A user's first hour with a saved DCFormer and its tokenizer, in fresh Python processes whose
 stdin is closed: transformers' "Do you wish to run the custom code? [y/N]" prompt would then fail at once instead
 of waiting 15 s on a terminal.
 

@@ -1,4 +1,4 @@
-"""modeling_dcformer.experiments.flops (the FLOP axis of the comparison, docs/evidence.md "Three axes") checked
+"""dcformer_research.flops (the FLOP axis of the comparison, docs/evidence.md "Three axes") checked
 against independent counts of the real models: torch.utils.flop_counter.FlopCounterMode on DCFormer and GPT-NeoX
 forward and backward passes (matrix products), and a count of the elementwise multiplications and additions the
 eager Compose performs (torch's dispatcher sees every op; FlopCounterMode counts only products)."""
@@ -11,7 +11,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 from modeling_dcformer.dcmha_eager import compose
-from modeling_dcformer.experiments import flops
+from dcformer_research import flops
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 

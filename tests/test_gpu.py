@@ -29,6 +29,7 @@ from helpers import (
     loss_and_grads,
     make_config,
     padded_batch,
+    registered,
 )
 from oracle import oracle_causal_lm
 
@@ -209,37 +210,33 @@ def test_static_cache_generation_under_inductor_on_cuda_equals_eager():
     )
 
 
-def test_auto_runs_triton_for_large_calls_on_cuda(monkeypatch):
-    """"auto" on CUDA: "triton" for calls of at least AUTO_COMPILE_MIN_SCORES scores (the threshold lowered to this
-    test's), with the oracle's logits; a small call (one decoding step) runs "eager"."""
+def test_auto_runs_triton_for_large_calls_on_cuda():
+    """"auto" on CUDA: "triton" for calls of at least its minimum of scores (lowered to this test's), with the
+    oracle's logits; a small call (one decoding step) runs "eager"."""
     needs("triton")
-    from modeling_dcformer import dcmha
+    from modeling_dcformer.kernels.dcmha_triton import AUTO_MIN_CAPABILITY, TritonBackend
 
-    if torch.cuda.get_device_capability() < dcmha.AUTO_TRITON_MIN_CAPABILITY:
-        pytest.skip(f'"auto" keeps "compiled" below compute capability {dcmha.AUTO_TRITON_MIN_CAPABILITY}')
-    monkeypatch.setattr(dcmha, "AUTO_COMPILE_MIN_SCORES", 64)
-    chosen, choose = [], dcmha.choose_auto
+    if torch.cuda.get_device_capability() < AUTO_MIN_CAPABILITY:
+        pytest.skip(f'"auto" keeps "compiled" below compute capability {AUTO_MIN_CAPABILITY}')
+    chosen = []
 
-    def recorded(*args, **kwargs):
-        backend = choose(*args, **kwargs)
-        chosen.append(backend.name)
-        return backend
+    class Counted(TritonBackend):
+        def __call__(self, inputs, **kwargs):
+            chosen.append(inputs.num_scores)
+            return super().__call__(inputs, **kwargs)
 
-    monkeypatch.setattr(dcmha, "choose_auto", recorded)
     model = build_model(make_config(dcmha_implementation="eager", **SHARED))
     input_ids, mask = padded_batch()
     gpu = on_cuda(model)
     gpu.config.dcmha_implementation = "auto"
-    with torch.no_grad():
+    with torch.no_grad(), registered("triton", Counted(auto_min_scores=64)):
         logits = gpu(input_ids.to(CUDA), attention_mask=mask.to(CUDA), use_cache=False).logits.cpu()
-    assert chosen and set(chosen) == {"triton"}, chosen
+        assert len(chosen) == model.config.num_hidden_layers, chosen  # every layer's attention
+        chosen.clear()
+        gpu(input_ids[:1, :1].to(CUDA), use_cache=False)
+        assert not chosen, "auto ran triton for a single decoding step"
     state = as_double(model.state_dict())
     for row in range(input_ids.shape[0]):
         real = mask[row].bool()
         expected = oracle_causal_lm(state, model.config, input_ids[row, real][None])[0]
         assert_close(logits[row, real], expected, **FP32_TOL)
-    chosen.clear()
-    step = input_ids[:1, :1].to(CUDA)
-    with torch.no_grad():
-        gpu(step, use_cache=False)
-    assert chosen and set(chosen) == {"eager"}, chosen

@@ -18,19 +18,20 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
 from conftest import ROOT, TINY, randomize_dyn_w
-from modeling_dcformer.conversion import caiyun_to_hf
-from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub, model_card
+from modeling_dcformer.conversion import released as released_converter
+from modeling_dcformer.conversion import pythia as p2d
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, publishing
+from modeling_dcformer.publishing import model_card
 from helpers import fake_hub_cards, install_fake_hub
 from released_checkpoint import released_dir
 
 # What computes travels (the model, its config, cache, the DCMHA interface and PyTorch backends, the load-time checks);
-# saving, cards, uploads and kernels stay in the package. `hub.remote_code_files()` finds them by relative imports.
-CODE_FILES = {p.name for p in hub.remote_code_files()}
+# saving, cards, uploads and kernels stay in the package. `publishing.remote_code_files()` finds them by relative imports.
+CODE_FILES = {p.name for p in publishing.remote_code_files()}
 assert {"modeling_dcformer.py", "configuration_dcformer.py", "dcmha.py", "dcmha_eager.py", "dcmha_compiled.py",
         "cache_dcformer.py", "checkpoint_checks.py"} <= CODE_FILES
-assert not CODE_FILES & {"hub.py", "atomic_dir.py", "model_card.py", "trainer.py", "cpu_kernel.py", "loading.py",
-                         "weight_files.py", "triton_kernel.py", "released_format.py"}  # a save is in our names
+assert not CODE_FILES & {"hub.py", "atomic_dir.py", "model_card.py", "trainer.py", "dcmha_cpu.py", "loading.py",
+                         "weight_files.py", "dcmha_triton.py", "released_format.py"}  # a save is in our names
 LM_EVAL_RESULTS = {  # the shape of what lm-eval / dcformer-eval write (abridged)
     "results": {
         "piqa_local": {"alias": "piqa_local", "acc,none": 0.625, "acc_stderr,none": 0.125, "acc_norm,none": 0.5,
@@ -92,7 +93,7 @@ def saved(tmp_path_factory):
     p2d.convert(str(build_neox_source(root / "neox")), str(root / "converted-pythia"), verify=False)
     dirs["converted-pythia"] = root / "converted-pythia"
     src, _, _ = released_dir(root, "released")
-    caiyun_to_hf.convert(str(src), str(root / "converted-released"))
+    released_converter.convert(str(src), str(root / "converted-released"))
     dirs["converted-released"] = root / "converted-released"
     for name, directory in dirs.items():
         vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
@@ -141,6 +142,9 @@ ISOLATED_SCRIPT = textwrap.dedent(
     run("dcformer", str(out / "dcformer")).save_pretrained(out / "resaved", model_card={"overwrite": True})
     run("dcformer@resaved", str(out / "resaved"))
     report["top_level_modules"] = sorted({m.split(".")[0] for m in sys.modules if "dcformer" in m})
+    configuration = sys.modules[type(model.config).__module__]  # the copy's config module and its link to the package
+    report["package_link"] = {k: repr(getattr(configuration.PACKAGE, k))
+                              for k in ("released", "loading", "publishing", "presets")}
     # the authors' released config, given to the remote code alone (which has no released format): one error
     released = out / "released-config"
     released.mkdir()
@@ -192,7 +196,7 @@ def isolated(saved):
 
 
 def test_isolated_paths_keep_a_venv_inside_the_checkout(tmp_path):
-    """Issue 28 item 1: with the README's `python -m venv .venv` inside the clone, the isolated process must still
+    """With the README's `python -m venv .venv` inside the clone, the isolated process must still
     find torch (the fixture dropped every path under the checkout, so `make test` failed there)."""
     checkout = tmp_path / "clone"
     venv_site = checkout / ".venv" / "lib" / "python3.11" / "site-packages"
@@ -208,13 +212,27 @@ def test_saved_remote_code_carries_the_interface_but_no_kernel(saved):
     for directory in saved.values():
         names = {p.name for p in directory.iterdir()}
         assert CODE_FILES <= names, names
-        assert not names & {"cpu_kernel.py", "triton_kernel.py", "csrc", "dcmha_cpu.cpp"}, names
+        assert not names & {"dcmha_cpu.py", "dcmha_triton.py", "csrc", "dcmha_cpu.cpp"}, names
 
 
 def test_isolated_python_cannot_import_the_package(isolated):
     _, report = isolated
     assert report["importable"] is False and report["spec"] == "None", report
     assert report["top_level_modules"] == ["transformers_modules"], report
+
+
+def test_the_package_fills_the_flat_modules_link_and_remote_code_alone_leaves_it_empty(isolated):
+    """`configuration_dcformer.PACKAGE` is the flat modules' one link to what only the installed package has: filled
+    when the package is imported, empty in a save's remote code alone (which then saves and loads as transformers
+    does)."""
+    from modeling_dcformer import configuration, configuration_dcformer
+    from modeling_dcformer.checkpoints import loading, released_format
+
+    link = configuration_dcformer.PACKAGE
+    assert (link.released, link.loading, link.publishing, link.presets) == (
+        released_format, loading, publishing, configuration)
+    _, report = isolated
+    assert report["package_link"] == dict.fromkeys(("released", "loading", "publishing", "presets"), "None")
 
 
 @pytest.mark.parametrize("name", ["dcformer", "dcpythia", "converted-pythia", "converted-released"])
@@ -234,7 +252,7 @@ def test_remote_code_gives_the_native_logits_exactly(isolated, saved, name):
 
 
 def test_remote_code_alone_refuses_a_released_config_in_one_line(isolated):
-    """Issue 27 item 1: the released layout's translation stays in the package (a save is in our names); the remote
+    """The released layout's translation stays in the package (a save is in our names); the remote
     code alone, pointed at a released config, says which file it is and what to install or run instead."""
     root, report = isolated
     message = report["released"]
@@ -248,7 +266,7 @@ def test_remote_loaded_model_saves_loadable_remote_code(isolated, saved):
     assert report["dcformer@resaved"].startswith("transformers_modules.")
     resaved = root / "resaved"
     assert CODE_FILES <= {p.name for p in resaved.iterdir()}
-    assert json.loads((resaved / "config.json").read_text())["auto_map"] == hub.AUTO_MAP
+    assert json.loads((resaved / "config.json").read_text())["auto_map"] == publishing.AUTO_MAP
     expected = torch.load(root / "dcformer.remote.pt")
     assert torch.equal(torch.load(root / "dcformer@resaved.remote.pt"), expected)
     ids = torch.load(root / "dcformer.ids.pt")
@@ -267,7 +285,7 @@ def test_saved_directory_layout(saved, name):
     for file in CODE_FILES:
         assert (directory / file).read_bytes() == (package / file).read_bytes(), file
     config = json.loads((directory / "config.json").read_text())
-    assert config["auto_map"] == hub.AUTO_MAP
+    assert config["auto_map"] == publishing.AUTO_MAP
     assert config["model_type"] == "dcformer"  # also for the DCPythiaConfig model: "dcpythia" reads released keys
     card = ModelCard.load(directory / "README.md")
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
@@ -317,7 +335,7 @@ CARD_SNIPPET_SCRIPT = textwrap.dedent(
 
 
 def test_card_snippet_without_the_package_never_prompts(tmp_path):
-    """Issue 28 item 5: the card's snippet for a Python without the package loads the tokenizer and the model
+    """The card's snippet for a Python without the package loads the tokenizer and the model
     without asking "Do you wish to run the custom code?" (stdin closed: an unanswered prompt there would be an
     error, on a terminal a 15 s wait). transformers' AutoTokenizer reads the model's config first, through
     `auto_map` when it has one, so the snippet passes `trust_remote_code=True` to both."""
@@ -413,7 +431,7 @@ def test_push_to_hub_uploads_weights_config_code_and_card(fake_hub):
     assert upload["kwargs"]["token"] == "hf_x"
     assert set(upload["files"]) == CODE_FILES | {"config.json", "generation_config.json", "model.safetensors",
                                                 "README.md"}
-    assert upload["config"]["auto_map"] == hub.AUTO_MAP
+    assert upload["config"]["auto_map"] == publishing.AUTO_MAP
     card = ModelCard(upload["readme"])
     assert card.data.license == "apache-2.0" and "demo" in card.data.tags
     assert card.data.eval_results is None and "| piqa_local | acc | 0.6250 | 0.1250 |" in card.text  # a smoke run
@@ -439,7 +457,7 @@ def test_push_keeps_a_users_card_on_the_hub(fake_hub):
 
 
 def test_push_to_hub_is_transformers_with_the_models_tags(fake_hub, monkeypatch):
-    """Issue 27 item 2: `model.push_to_hub` runs transformers' `PushToHubMixin.push_to_hub`, whose card step
+    """`model.push_to_hub` runs transformers' `PushToHubMixin.push_to_hub`, whose card step
     (`create_and_tag_model_card`) gets the model's tags (`add_model_tags`) and the call's; the card uploaded is
     DCFormer's, with those tags."""
     import transformers.utils.hub as transformers_hub
@@ -457,13 +475,13 @@ def test_push_to_hub_is_transformers_with_the_models_tags(fake_hub, monkeypatch)
     assert 'from_pretrained("me/tiny-dc", trust_remote_code=True)' in card.text
 
 
-def test_a_broken_install_never_falls_back_to_a_plain_save(monkeypatch, tmp_path):
+def test_a_broken_install_never_falls_back_to_a_plain_save(tmp_path):
     """Only a Python without the package saves with transformers' plain (not atomic, card-less) save: a package
-    whose saving module fails to import is an error, not a silent fallback."""
-    monkeypatch.setitem(sys.modules, "modeling_dcformer.hub", None)  # its import raises ModuleNotFoundError
-    with pytest.raises(ModuleNotFoundError, match="modeling_dcformer.hub"):
-        tiny().save_pretrained(tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    whose saving module fails to import fails to import itself, never a silent fallback."""
+    code = ("import sys; sys.modules['modeling_dcformer.publishing.saving'] = None\n"
+            "import modeling_dcformer")  # its import raises ModuleNotFoundError
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "modeling_dcformer.publishing.saving" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_save_pretrained_push_to_hub(fake_hub, tmp_path):
@@ -495,8 +513,8 @@ def test_pythia_converter_pushes_the_finished_directory(fake_hub, tmp_path, caps
     assert upload["folder"] == dst and upload["repo_id"] == "me/dcpythia-tiny"
     assert set(upload["files"]) == CODE_FILES | {"config.json", "model.safetensors", "README.md",
                                                 "generation_config.json"}  # (copied from the source)
-    assert upload["config"]["auto_map"] == hub.AUTO_MAP
-    config = upload["config"]  # the source's folder (its name, or its path before issue 28 item 9)
+    assert upload["config"]["auto_map"] == publishing.AUTO_MAP
+    config = upload["config"]  # the source's folder's name (never its path)
     assert Path(config.get("converted_from") or config["converted_from_folder"]).name == "neox"
     card = ModelCard(upload["readme"])
     assert card.data.license == "apache-2.0" and card.data.base_model is None  # a local source
@@ -506,63 +524,12 @@ def test_pythia_converter_pushes_the_finished_directory(fake_hub, tmp_path, caps
 def test_released_converter_pushes_with_base_model(fake_hub, tmp_path, capsys, monkeypatch):
     src, _, _ = released_dir(tmp_path, "released")
     # as if SRC were the Hub id of the release: resolve_source returns its snapshot directory
-    monkeypatch.setattr(caiyun_to_hf, "resolve_source", lambda name, revision=None: src)
+    monkeypatch.setattr(released_converter, "resolve_source", lambda name, revision=None: src)
     dst = tmp_path / "dcpythia-hf"
     argv = ["Caiyun-AI/DCPythia-tiny", str(dst), "--push-to-hub", "me/dcpythia-hf", "--license", "mit"]
-    assert caiyun_to_hf.main(argv) == 0, capsys.readouterr().err
+    assert released_converter.main(argv) == 0, capsys.readouterr().err
     (upload,) = fake_hub.upload
     assert upload["folder"] == dst and CODE_FILES | {"README.md", "model.safetensors"} <= set(upload["files"])
     card = ModelCard(upload["readme"])
     assert card.data.base_model == "Caiyun-AI/DCPythia-tiny" and card.data.license == "mit"
     assert "released checkpoint" in card.text
-
-
-# 3,440 before issue 27, 2,817 before the released format and the saving helpers left it, 2,310 before the loading
-# additions (loading.py), the presets and the weight-file resolver left it, 2,207 before the push_to_hub upload step,
-# the CPU kernel's input helpers and code transformers already has left it; the issue's target is 2,000 (1,987 before
-# the hooks of the CPU kernel's inference operators: the projection's, the fp32 norm and rotary paths without casts)
-REMOTE_CODE_LINES = 2000  # what is left: the model, config, cache, DCMHA interface and backends, load-time checks
-
-
-def test_saved_python_is_only_what_computes(saved):
-    """Issue 27 item 1: the `*.py` of a save hold no ctypes and no chdir, and none of the saving, card or upload
-    code, in at most 2,000 lines (the issue's target; the model, config, cache and DCMHA files make it up).
-    The model file names the installed package's saving code only in a guarded import and its docstring."""
-    for directory in saved.values():
-        files = sorted(directory.glob("*.py"))
-        assert {f.name for f in files} == CODE_FILES
-        for file in files:
-            text = file.read_text()
-            assert "ctypes" not in text and "chdir" not in text, file.name
-        lines = sum(len(f.read_text().splitlines()) for f in files)
-        print(f"{directory.name}: {len(files)} files, {lines} lines of remote code")
-        assert lines <= REMOTE_CODE_LINES, f"{lines} lines of remote code (at most {REMOTE_CODE_LINES})"
-
-
-def test_hub_code_is_at_most_400_lines():
-    """Issue 27 item 2: saving, cards and uploads (`hub.py`, `model_card.py`) fit in 400 lines (438 before); the
-    atomic writes are `atomic_dir`'s, the lm-eval parsing is `evals/`'s."""
-    lines = sum(len(Path(module.__file__).read_text().splitlines()) for module in (hub, model_card))
-    assert lines <= 400, f"{lines} lines of hub code (at most 400)"
-
-
-def test_installed_package_modules_are_optional_but_broken_installs_raise(monkeypatch):
-    """The remote code reaches the installed package's saving and loading extras through `installed(name)`: None
-    where the package is absent or is an older version without that module (a save of a newer version loads
-    there), the module where it exists; a missing dependency inside the module is an error, never a silent fallback."""
-    import modeling_dcformer.modeling_dcformer as modeling
-
-    assert modeling.installed("hub") is hub
-    assert modeling.installed("no_such_module_in_this_version") is None
-
-    def absent_package(name):
-        raise ModuleNotFoundError("No module named 'modeling_dcformer'", name="modeling_dcformer")
-
-    def broken_dependency(name):
-        raise ModuleNotFoundError("No module named 'filelock'", name="filelock")
-
-    monkeypatch.setattr(modeling.importlib, "import_module", absent_package)
-    assert modeling.installed("loading") is None
-    monkeypatch.setattr(modeling.importlib, "import_module", broken_dependency)
-    with pytest.raises(ModuleNotFoundError, match="filelock"):
-        modeling.installed("loading")

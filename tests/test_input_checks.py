@@ -1,4 +1,4 @@
-"""Token ids outside the vocabulary are one clear error naming the id and the vocabulary size (issue 30, item 12):
+"""Token ids outside the vocabulary are one clear error naming the id and the vocabulary size:
 the embedding alone says "IndexError: index out of range in self". The legitimate neighbours (ids 0 and
 vocab_size - 1, an empty batch, inputs_embeds, a resized vocabulary) still run."""
 

@@ -1,4 +1,4 @@
-"""What each install installs (issue 28 items 3, 4): `make demo` installs the `demo` extra only (what
+"""What each install installs: `make demo` installs the `demo` extra only (what
 examples/demo.py runs: lm-eval and datasets; no test tools, no triton), the `train` extra holds what fine-tuning
 needs (peft for LoRA, datasets for dcformer-train), the training command is an entry point, and its accelerate
 configs are package data."""
@@ -43,11 +43,21 @@ def test_make_demo_installs_only_the_demo_extra():
 def test_train_extra_and_entry_point():
     assert {"peft", "datasets"} <= extra("train")
     scripts = setup_cfg()["options.entry_points"]["console_scripts"]
-    assert "dcformer-train = modeling_dcformer.experiments.train_clm:cli" in scripts
+    assert "dcformer-train = modeling_dcformer.training.train_clm:cli" in scripts
     options = setup_cfg()["options"]
-    assert "modeling_dcformer.experiments" in options["packages"].split()
-    data = setup_cfg()["options.package_data"]["modeling_dcformer.experiments"]
+    assert "modeling_dcformer.training" in options["packages"].split()
+    data = setup_cfg()["options.package_data"]["modeling_dcformer.training"]
     assert "accelerate/*.yaml" in data and "accelerate/*.json" in data
+
+
+def test_the_wheel_holds_no_research_code():
+    """The comparisons, studies and reports are research/, a distribution of its own: no package of the library's
+    wheel holds them, and research/ declares its own package (which `make install` installs beside the library)."""
+    packages = setup_cfg()["options"]["packages"].split()
+    assert all(name == "modeling_dcformer" or name.startswith("modeling_dcformer.") for name in packages), packages
+    research = (ROOT / "research" / "pyproject.toml").read_text()
+    assert 'packages = ["dcformer_research"]' in research and '"modeling-dcformer"' in research
+    assert "-e research" in (ROOT / "Makefile").read_text()
 
 
 def test_no_pytest_pythonpath_and_thin_examples():
@@ -57,12 +67,12 @@ def test_no_pytest_pythonpath_and_thin_examples():
         assert lines <= 500, f"{script.name}: {lines} lines"
 
 
-def test_saved_remote_code_does_not_carry_the_experiments(tmp_path):
-    """What a saved model carries as remote code imports nothing of modeling_dcformer.experiments."""
+def test_saved_remote_code_does_not_carry_the_research_code(tmp_path):
+    """What a saved model carries as remote code imports nothing of the research code, the demo or the training."""
     from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 
     config = DCFormerConfig.from_preset("dcformer-tiny", hidden_size=32, intermediate_size=64, num_hidden_layers=1)
     DCFormerForCausalLM(config).save_pretrained(tmp_path / "saved")
     code = {p.name: p.read_text() for p in (tmp_path / "saved").glob("*.py")}
     assert code, "save_pretrained wrote no remote code"
-    assert not [name for name, text in code.items() if "experiments" in text]
+    assert not [name for name, text in code.items() if "dcformer_research" in text or ".training import" in text]

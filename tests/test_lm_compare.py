@@ -1,4 +1,4 @@
-"""modeling_dcformer.experiments.lm_corpus and `compare_small.py --task lm`:
+"""dcformer_research.lm_corpus and `compare_small.py --task lm`:
 the corpus split is by document and deterministic, missing
 or unusable corpora are clear errors, tokenisation is deterministic (bytes checked against Python's own UTF-8, the
 BPE trained on the training documents only), the training blocks cover the stream; the ablation variants compute
@@ -16,8 +16,8 @@ import torch
 
 from helpers import as_double, build_model, make_config, zero_dyn
 from modeling_dcformer import DCFormerForCausalLM
-from modeling_dcformer.experiments import ablation, lm_corpus
-from modeling_dcformer.experiments import compare as compare_small  # examples/compare_small.py's command line
+from dcformer_research import ablation, lm_corpus
+from dcformer_research import compare as compare_small  # examples/compare_small.py's command line
 from oracle import oracle_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")

@@ -17,9 +17,11 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Training
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
 from conftest import TINY, randomize_dyn_w
 from helpers import fake_hub_cards, install_fake_hub
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, hub, model_card
-from modeling_dcformer.evals.lm_eval_results import read_eval_results
-from modeling_dcformer.trainer import TRAINER_SECTION, DCFormerTrainer
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, publishing
+from modeling_dcformer.checkpoints.fingerprint import model_fingerprint
+from modeling_dcformer.publishing import model_card
+from modeling_dcformer.publishing.eval_results import read_eval_results
+from modeling_dcformer.publishing.trainer import TRAINER_SECTION, DCFormerTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -106,7 +108,7 @@ def fake_hub(monkeypatch, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Honest metadata (issue 19, item 7)
+# Honest metadata
 # ----------------------------------------------------------------------------------------------------------------
 def test_only_whole_benchmark_runs_enter_the_model_index():
     card = ModelCard(str(model_card.model_card(DCFormerConfig(**TINY), model_name="tiny-dc", eval_results=FULL_RUN)))
@@ -179,7 +181,7 @@ def test_card_usage_snippet_runs_tokenizer_and_generate(tokenizer, tmp_path, mon
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# What survives a re-save, tags, Trainer's card (issue 19, item 6)
+# What survives a re-save, tags, Trainer's card
 # ----------------------------------------------------------------------------------------------------------------
 def index_values(card: ModelCard) -> dict:
     return {key: (r.metric_value, r.dataset_type, r.dataset_split, r.source_name) for key, r in index_of(card).items()}
@@ -243,7 +245,7 @@ def test_trainer_push_to_hub_keeps_the_dcformer_card(fake_hub, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A failed upload (issue 19, item 9)
+# A failed upload
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", ["create_repo", "upload"])
 def test_failed_upload_leaves_a_complete_directory(fake_hub, tmp_path, stage):
@@ -251,7 +253,7 @@ def test_failed_upload_leaves_a_complete_directory(fake_hub, tmp_path, stage):
     tiny(seed=1).save_pretrained(target)  # an older save, replaced by the new one
     model = tiny(seed=2)
     fake_hub.fail = stage
-    with pytest.raises(hub.HubUploadError) as failure:
+    with pytest.raises(publishing.HubUploadError) as failure:
         model.save_pretrained(target, push_to_hub=True, repo_id="me/tiny-dc")
     message = str(failure.value)
     assert f"saved the model to {target}" in message and "network is unreachable" in message
@@ -262,7 +264,7 @@ def test_failed_upload_leaves_a_complete_directory(fake_hub, tmp_path, stage):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-dc"]  # no unfinished save beside it
     names = {p.name for p in target.iterdir()}
     assert {"config.json", "model.safetensors", "README.md", "modeling_dcformer.py"} <= names
-    assert json.loads((target / "config.json").read_text())["auto_map"] == hub.AUTO_MAP
+    assert json.loads((target / "config.json").read_text())["auto_map"] == publishing.AUTO_MAP
     assert 'from_pretrained("me/tiny-dc", trust_remote_code=True)' in (target / "README.md").read_text()
     ids = ids_for(TINY["vocab_size"])
     assert torch.equal(logits_of(AutoModelForCausalLM.from_pretrained(target).eval(), ids), logits_of(model, ids))
@@ -274,12 +276,12 @@ def test_failed_upload_leaves_a_complete_directory(fake_hub, tmp_path, stage):
 
 @pytest.mark.parametrize("stage", ["create_repo", "upload"])
 def test_failed_push_to_hub_is_one_message(fake_hub, tmp_path, stage):
-    """Issue 28 item 6: `model.push_to_hub` offline ends in one HubUploadError naming the Hub, the repository and
+    """`model.push_to_hub` offline ends in one HubUploadError naming the Hub, the repository and
     the retry, with the network error kept in `.cause` instead of a chained traceback."""
     import traceback
 
     fake_hub.fail = stage
-    with pytest.raises(hub.HubUploadError) as failure:
+    with pytest.raises(publishing.HubUploadError) as failure:
         tiny().push_to_hub("me/tiny-dc")
     message = str(failure.value)
     assert "Hugging Face Hub repository 'me/tiny-dc'" in message and "network is unreachable" in message
@@ -295,7 +297,7 @@ def test_plain_trainer_card_is_trainers_and_keep_dcformer_card_merges(tmp_path):
     documented `keep_dcformer_card(trainer)` then merges DCFormer's in."""
     from transformers import Trainer
 
-    from modeling_dcformer.trainer import keep_dcformer_card
+    from modeling_dcformer.publishing.trainer import keep_dcformer_card
 
     args = TrainingArguments(str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4, save_strategy="no",
                              report_to="none", use_cpu=True)
@@ -312,12 +314,12 @@ def test_plain_trainer_card_is_trainers_and_keep_dcformer_card_merges(tmp_path):
 
 
 def test_card_of_a_converted_model_trained_since(tmp_path):
-    """Issue 28 item 9 (the card's side): a converted Pythia says it computes the source's function only while its
+    """A converted Pythia says it computes the source's function only while its
     weights are the converted ones (the converters record their fingerprint in `config.conversion["weights"]`)."""
     model = tiny()
     model.config.converted_from_model_type = "gpt_neox"
     model.config.converted_from_folder = "pythia-tiny"
-    model.config.conversion = {"exact": True, "weights": model_card.weights_fingerprint(model)}
+    model.config.conversion = {"exact": True, "weights": model_fingerprint(model)}
     model.save_pretrained(tmp_path / "same")
     text = (tmp_path / "same" / "README.md").read_text()
     assert "computes exactly the source's function; these weights are the converted ones." in text
@@ -331,13 +333,13 @@ def test_card_of_a_converted_model_trained_since(tmp_path):
 
 
 def test_one_atomic_file_write_for_cards_and_reports(tmp_path, monkeypatch):
-    """Issue 27 item 2: `atomic_dir.write_file` is the package's one write-beside-and-rename of a file (the card,
+    """`atomic_dir.write_file` is the package's one write-beside-and-rename of a file (the card,
     Trainer's card merge, the study's reports): a new file gets the umask's mode (not a temporary file's 0600), and a
     write that fails before the rename leaves the old file whole and no temporary file beside it."""
     import stat
 
-    from modeling_dcformer import atomic_dir
-    from modeling_dcformer.experiments import report
+    from modeling_dcformer.checkpoints import atomic_dir
+    from dcformer_research import report
 
     assert report.write_atomic is atomic_dir.write_file
     path = tmp_path / "README.md"
@@ -367,8 +369,8 @@ def test_report_figures_use_the_same_atomic_write(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from modeling_dcformer import atomic_dir
-    from modeling_dcformer.experiments import report
+    from modeling_dcformer.checkpoints import atomic_dir
+    from dcformer_research import report
 
     fig, ax = plt.subplots()
     ax.plot([0, 1], [1, 0])

@@ -1,4 +1,4 @@
-"""`import modeling_dcformer` changes no attribute of any transformers or peft object (issue 27 item 3): no wrapped
+"""`import modeling_dcformer` changes no attribute of any transformers or peft object: no wrapped
 `Trainer.create_model_card`, no entry in peft's table of default LoRA targets. Its registrations go through the
 registries transformers provides for them (`AutoConfig.register`, `AutoModel*.register`, `register_for_auto_class`
 of our own classes), which live inside the Auto mappings' own state and are checked separately."""

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, cpu_kernel
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
+from modeling_dcformer.kernels import dcmha_cpu
 
 from oracle import (
     gelu_exact,
@@ -159,7 +160,7 @@ WINDOW_MODES = {
 }
 
 
-@pytest.mark.parametrize("implementation", ["eager", "kernel"])
+@pytest.mark.parametrize("implementation", ["eager", "cpu"])
 @pytest.mark.parametrize("chunk", [1, 3, 512])
 @pytest.mark.parametrize("rank", [1, 2])
 @pytest.mark.parametrize("groups", [1, 2])
@@ -167,9 +168,9 @@ WINDOW_MODES = {
 @pytest.mark.parametrize("window_mode", list(WINDOW_MODES))
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups, rank, chunk, implementation):
-    """Every layer's attention output (inference: "kernel" is the C kernel of tests/test_cpu_kernel.py, where a C
+    """Every layer's attention output (inference: "cpu" is the C kernel of tests/test_cpu_kernel.py, where a C
     compiler is found)."""
-    if implementation == "kernel" and not cpu_kernel.available():
+    if implementation == "cpu" and not dcmha_cpu.available():
         pytest.skip("no C compiler for the CPU kernel")
     window_size, window_type = WINDOW_MODES[window_mode]
     config = make_config(
@@ -201,10 +202,10 @@ def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups
             assert max_diff(ref, oracle_dcmha_layer(x.double(), params, config, window - 1)) > MARGIN
 
 
-@pytest.mark.parametrize("implementation", ["eager", "kernel"])
+@pytest.mark.parametrize("implementation", ["eager", "cpu"])
 def test_attention_probabilities_match_oracle(implementation):
     """output_attentions returns the post-composed probabilities (masked entries zero)."""
-    if implementation == "kernel" and not cpu_kernel.available():
+    if implementation == "cpu" and not dcmha_cpu.available():
         pytest.skip("no C compiler for the CPU kernel")
     config = make_config(
         use_qk_norm=True, window_size=WINDOW, num_head_groups=2, attention_chunk_size=3,

@@ -1,4 +1,4 @@
-"""modeling_dcformer.conversion.pythia_to_dcpythia (`dcformer-convert-pythia`, from conversion/) on tiny random GPT-NeoX checkpoints built here (with a locally trained
+"""modeling_dcformer.conversion.pythia (`dcformer-convert-pythia`, from conversion/) on tiny random GPT-NeoX checkpoints built here (with a locally trained
 byte-level BPE tokenizer): exact logits, gradients on every new parameter, trainability, round trip through
 AutoModelForCausalLM, dtypes, the legacy layout, the released-architecture options and the CLI's errors."""
 
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers import PreTrainedTokenizerFast
 
 import modeling_dcformer  # noqa: F401  (registers "dcformer" with the Auto classes)
-from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
+from modeling_dcformer.conversion import pythia as p2d
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 from helpers import sharpen_neox_
 
@@ -130,13 +130,13 @@ def test_converted_logits_equal_source(variant, make_source, tokenizer, tmp_path
     assert isinstance(model, DCFormerForCausalLM)
     source = GPTNeoXForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
     cfg = model.config
-    # provenance a reader can use: the folder's name, never the absolute local path (issue 28, item 9)
+    # provenance a reader can use: the folder's name, never the absolute local path
     assert cfg.converted_from is None and cfg.converted_from_folder == src.name
     assert cfg.converted_from_model_type == "gpt_neox"
     assert str(src.parent) not in (tmp_path / "dst" / "config.json").read_text()
-    from modeling_dcformer.model_card import weights_fingerprint
+    from modeling_dcformer.checkpoints.fingerprint import model_fingerprint
 
-    assert cfg.conversion["weights"] == weights_fingerprint(model)  # which weights compute the source's function
+    assert cfg.conversion["weights"] == model_fingerprint(model)  # which weights compute the source's function
     assert cfg.conversion["exact"] and cfg.conversion["max_logit_difference"] <= 1e-4
     assert cfg.vocab_size == 320 > len(tokenizer)  # padded vocabulary kept
     assert cfg.partial_rotary_factor == source.config.rope_parameters["partial_rotary_factor"]
@@ -366,7 +366,7 @@ def test_cli_rejects_bad_sources_and_options(make_source, tmp_path, capsys):
 
 
 def test_script_rejects_a_llama_checkpoint(tmp_path):
-    """Run as `python -m modeling_dcformer.conversion.pythia_to_dcpythia` (what `dcformer-convert-pythia` runs): a LLaMA checkpoint is refused with exit code 2 and a clear message."""
+    """Run as `python -m modeling_dcformer.conversion.pythia` (what `dcformer-convert-pythia` runs): a LLaMA checkpoint is refused with exit code 2 and a clear message."""
     llama = LlamaForCausalLM(
         LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     )
@@ -374,7 +374,7 @@ def test_script_rejects_a_llama_checkpoint(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(
-        [sys.executable, "-m", "modeling_dcformer.conversion.pythia_to_dcpythia", str(tmp_path / "llama"), str(tmp_path / "dst")],
+        [sys.executable, "-m", "modeling_dcformer.conversion.pythia", str(tmp_path / "llama"), str(tmp_path / "dst")],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
     )
     assert result.returncode == 2, result.stderr

@@ -1,4 +1,4 @@
-"""The paths people take with a 7B model, on a tiny DCFormer on the CPU (issue 29): bitsandbytes 8-bit and 4-bit
+"""The paths people take with a 7B model, on a tiny DCFormer on the CPU: bitsandbytes 8-bit and 4-bit
 (nf4, fp4) and torchao int8 weight-only loading, forward and generate; a quantized model saved and loaded again
 with the same logits (the integer-dtype guard applies only where integers cannot be meant); QLoRA through
 `Trainer` with a saved and reloaded adapter; `device_map="auto"` with `max_memory` and `offload_folder`.
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import build_model, make_config
 from modeling_dcformer import DCFormerForCausalLM
-from modeling_dcformer.model_card import quantization_summary
+from modeling_dcformer.publishing.model_card import quantization_summary
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -62,10 +62,13 @@ def quantization_config(method: str):
 
 
 METHODS = ["bnb-8bit", "bnb-4bit-nf4", "bnb-4bit-fp4", "torchao-int8"]
+# The model's linear layers take inputs of 64 and 128 features (hidden 64, MLP 128): bitsandbytes quantizes 4-bit
+# weights in blocks of 64 along a row, and its CPU packing for AVX-512 with bf16 fails on rows narrower than a block
+# ("shape '[96, 0]' is invalid" at hidden 32), while AVX2 and plain AVX-512 take them. Shapes every CPU takes.
 # Largest relative error ||quantized - fp32|| / ||fp32|| of the logits allowed per method. Measured (CPU, this tiny
-# model: hidden 32, so each 4-bit block of 64 spans two rows): 0.024 (8-bit), 0.21 (nf4), 0.26 (fp4), 0.015 (torchao
-# int8) on an AVX2 machine; on an AVX-512 one bitsandbytes' CPU backend gives 4-bit 0.52 (nf4) and 0.54 (fp4), the
-# 4-bit weights themselves 0.09-0.29 from fp32. The logits of an unrelated model are ~1.4 away. The 4-bit bounds only
+# model): 0.20 (nf4) and 0.24 (fp4) on an AVX-512 machine with bf16; at hidden 32, 0.024 (8-bit), 0.21 (nf4), 0.26
+# (fp4), 0.015 (torchao int8) on an AVX2 machine and 4-bit 0.52 (nf4) and 0.54 (fp4) on an AVX-512 one, the 4-bit
+# weights themselves 0.09-0.29 from fp32. The logits of an unrelated model are ~1.4 away. The 4-bit bounds only
 # say "quantized and related": what the 4-bit model computes is checked exactly, against the same model with the
 # 4-bit weights dequantized (`dequantized_twin`).
 BOUNDS = {"bnb-8bit": 0.06, "bnb-4bit-nf4": 0.8, "bnb-4bit-fp4": 0.8, "torchao-int8": 0.04}
@@ -118,8 +121,10 @@ def logits_of(model, ids):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A tiny DCFormer (2 layers, every weight O(1), composition that matters) saved in fp32, and its logits."""
-    model = build_model(make_config(num_hidden_layers=2, eos_token_id=None, intermediate_size=64), seed=0)
+    """A tiny DCFormer (2 layers, every weight O(1), composition that matters) saved in fp32, and its logits. Hidden
+    64 and MLP 128: rows of whole 4-bit blocks (see BOUNDS)."""
+    model = build_model(make_config(num_hidden_layers=2, eos_token_id=None, hidden_size=64, intermediate_size=128),
+                        seed=0)
     path = tmp_path_factory.mktemp("quantization") / "fp32"
     model.save_pretrained(path, model_card=False)
     return path, logits_of(model, ids_for_test())
@@ -138,9 +143,11 @@ def test_quantized_load_forward_and_generate(saved, method):
     logits = logits_of(model, ids)
     relative = ((logits - reference).norm() / reference.norm()).item()
     assert 0 < relative < BOUNDS[method], relative  # quantized (not the same numbers), and close
-    if twin is not None:  # the 4-bit model computes what its weights say, to fp32 rounding
+    if twin is not None:  # the 4-bit model computes what its weights say, to rounding
         expected = logits_of(twin, ids)
-        assert ((logits - expected).norm() / expected.norm()).item() < 1e-4
+        # where the CPU has AVX-512 bf16, bitsandbytes' CPU kernels multiply in bf16 (0.7-0.9% apart, measured): far
+        # below the 4-bit weights' own 20-25% from the fp32 model
+        assert ((logits - expected).norm() / expected.norm()).item() < 0.02
     # generate (with DCFormer's cache) gives the quantized model's own greedy decoding, by full forward passes
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     expected = ids
@@ -157,8 +164,8 @@ def test_quantized_checkpoint_round_trip_gives_the_same_logits(saved, tmp_path, 
     path, _ = saved
     model = DCFormerForCausalLM.from_pretrained(path, quantization_config=quantization_config(method)).eval()
     ids = ids_for_test()
+    model.save_pretrained(tmp_path / "quantized")  # before any forward pass: see the test below
     before = logits_of(model, ids)
-    model.save_pretrained(tmp_path / "quantized")
     saved_config = json.loads((tmp_path / "quantized" / "config.json").read_text())
     assert saved_config["quantization_config"]["quant_method"] == ("torchao" if "torchao" in method else "bitsandbytes")
     # its model card (written by save_pretrained, as push_to_hub uploads it) says how it was quantized
@@ -168,6 +175,44 @@ def test_quantized_checkpoint_round_trip_gives_the_same_logits(saved, tmp_path, 
         again = load(tmp_path / "quantized").eval()
         assert_quantized(again, method)
         torch.testing.assert_close(logits_of(again, ids), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "double-quant"])
+def test_a_4bit_model_that_bitsandbytes_repacked_is_refused_not_saved_wrong(saved, tmp_path, double_quant):
+    """On CPUs with AVX-512 bf16, bitsandbytes 0.50 repacks a 4-bit model's weights at its first forward pass in
+    evaluation mode (block scales rounded to bf16); reading the state dict then turns them back into other numbers,
+    in the model too. A save of such a model is one clear error and changes nothing: neither the folder nor the
+    model's logits. Elsewhere nothing is repacked and the save goes through (the round trip above)."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    path, _ = saved
+    config = quantization_config("bnb-4bit-nf4")
+    config.bnb_4bit_use_double_quant = double_quant
+    model = DCFormerForCausalLM.from_pretrained(path, quantization_config=config).eval()
+    ids = ids_for_test()
+    before = logits_of(model, ids)
+    if not has_avx512bf16():
+        model.save_pretrained(tmp_path / "saved")
+        assert torch.equal(logits_of(DCFormerForCausalLM.from_pretrained(tmp_path / "saved").eval(), ids), before)
+        return
+    with pytest.raises(ValueError, match=r"cannot save to .*bitsandbytes repacked .*model\.layers\.0\."):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+    assert torch.equal(logits_of(model, ids), before)
+
+
+def test_the_repacking_check_reads_bitsandbytes_flag():
+    """`repacked_4bit_weights` on stand-in modules: a weight whose quant state bitsandbytes marked as packed for its CPU
+    kernels is found, others (no quant state, not packed, no weight) are not; on any CPU."""
+    from types import SimpleNamespace
+
+    from modeling_dcformer.publishing.saving import repacked_4bit_weights
+
+    layers = torch.nn.ModuleDict({name: torch.nn.Linear(2, 2) for name in ("packed", "unpacked", "plain")})
+    layers["packed"].weight.quant_state = SimpleNamespace(packing_format_for_cpu=True)
+    layers["unpacked"].weight.quant_state = SimpleNamespace(packing_format_for_cpu=False)
+    layers["none"] = torch.nn.ReLU()
+    assert repacked_4bit_weights(layers) == ["packed"]
 
 
 @pytest.mark.parametrize("method", ["bnb-8bit", "bnb-4bit-nf4", "torchao-int8"])

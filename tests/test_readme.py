@@ -57,8 +57,8 @@ def test_console_blocks_are_the_install_and_the_make_targets():
 def stand_ins(tmp_path_factory):
     """Tiny local checkpoints for the README's Hub ids."""
     # the demo's tiny Pythia (GPT-NeoX layout and a byte-level BPE tokenizer)
-    from modeling_dcformer.experiments.pipeline import build_tiny_pythia
-    from modeling_dcformer.experiments.tokenizer_utils import read_lines
+    from modeling_dcformer.demo.pipeline import build_tiny_pythia
+    from modeling_dcformer.training.tokenizer import read_lines
 
     root = tmp_path_factory.mktemp("stand_ins")
     pythia = root / "pythia-tiny"

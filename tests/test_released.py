@@ -1,4 +1,4 @@
-"""Issue 3: the authors' released checkpoints (Caiyun-AI/DCPythia-6.9B, Caiyun-AI/DCFormer-2.8B) load natively.
+"""The authors' released checkpoints (Caiyun-AI/DCPythia-6.9B, Caiyun-AI/DCFormer-2.8B) load natively.
 
 Every checkpoint here is built by `tests/released_checkpoint.py` straight from the spec's released key list and
 shapes (never from our model), with random non-zero dynamic weights, garbage in the merged copies `dw_m`/`qkw_m`,
@@ -26,8 +26,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes: nothing below needs trust_remote_code)
-from modeling_dcformer.conversion import caiyun_to_hf
-from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, hub
+from modeling_dcformer.conversion import released as released_converter
+from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, publishing
 from oracle import gelu_exact, layer_norm, oracle_compose, oracle_dynamic_weights, rms_norm, silu, softmax_last
 from released_checkpoint import (
     RANK,
@@ -395,7 +395,7 @@ def test_query_wise_release_with_four_slots_matches_oracle(tmp_path, capsys, via
 
 
 def test_query_wise_edited_into_a_released_config_is_said(tmp_path, caplog):
-    """Issue 30 item 5: a released config.json edited from query_wise false to true. The released layout stores four
+    """A released config.json edited from query_wise false to true. The released layout stores four
     slots either way (the authors' code allocates four and, when query-wise, reads slots 0 and 2), so the edit cannot
     be told from a query-wise release by the files alone; what can be said is that trained (non-zero) key-wise
     weights are dropped. The load says so once, naming the field and the folder, and computes what the authors' code
@@ -578,10 +578,10 @@ def test_incomplete_split_qkv_is_an_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 6. dcformer-convert-released (conversion/caiyun_to_hf.py)
+# 6. dcformer-convert-released (conversion/released.py)
 # ------------------------------------------------------------------------------------------------------------
 def run_cli(capsys, *argv):
-    rc = caiyun_to_hf.main([str(a) for a in argv])
+    rc = released_converter.main([str(a) for a in argv])
     out = capsys.readouterr()
     return rc, out.out + out.err
 
@@ -621,7 +621,7 @@ def test_converted_directory_is_native_and_identical(tmp_path, capsys, model_typ
     saved_cfg = json.loads((dst / "config.json").read_text())
     assert saved_cfg["model_type"] == "dcformer" and saved_cfg["hidden_size"] == cfg["dim"]
     assert saved_cfg["architectures"] == ["DCFormerForCausalLM"]
-    assert saved_cfg["auto_map"] == hub.AUTO_MAP  # ours, not the release's (which pointed at the authors' code)
+    assert saved_cfg["auto_map"] == publishing.AUTO_MAP  # ours, not the release's (which pointed at the authors' code)
     for key in ("dim", "n_layer", "n_head", "is_training"):
         assert key not in saved_cfg, key
     assert saved_cfg["custom_extra_key"] == cfg["custom_extra_key"]
@@ -729,7 +729,7 @@ def test_converter_failure_midway_leaves_nothing(tmp_path, capsys, monkeypatch, 
         shard = src / "model-00003-of-00003.safetensors"
         shard.write_bytes(shard.read_bytes()[:-1000])
     written = []
-    real_flush = caiyun_to_hf.ShardWriter.flush
+    real_flush = released_converter.ShardWriter.flush
 
     def flush(self):
         real_flush(self)
@@ -737,7 +737,7 @@ def test_converter_failure_midway_leaves_nothing(tmp_path, capsys, monkeypatch, 
         if failure == "interrupted" and len(written) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(caiyun_to_hf.ShardWriter, "flush", flush)
+    monkeypatch.setattr(released_converter.ShardWriter, "flush", flush)
     out = tmp_path / "out"
     out.mkdir()
     dst = out / "converted"
@@ -749,7 +749,7 @@ def test_converter_failure_midway_leaves_nothing(tmp_path, capsys, monkeypatch, 
         assert rc == 2 and log.strip().splitlines()[-1].startswith("error: "), log
     else:
         with pytest.raises(BaseException):
-            caiyun_to_hf.convert(str(src), str(dst), max_shard_size="20KB")
+            released_converter.convert(str(src), str(dst), max_shard_size="20KB")
     assert written and written[0], "the failure should come after output shards were written"
     assert list(out.iterdir()) == []  # no destination, no half-written or .partial directory
 
@@ -757,7 +757,7 @@ def test_converter_failure_midway_leaves_nothing(tmp_path, capsys, monkeypatch, 
     (dst / "old.txt").write_text("old")
     written.clear()
     with pytest.raises(BaseException):
-        caiyun_to_hf.convert(str(src), str(dst), overwrite=True, max_shard_size="20KB")
+        released_converter.convert(str(src), str(dst), overwrite=True, max_shard_size="20KB")
     assert written
     assert [p.name for p in out.iterdir()] == ["converted"]
     assert [p.name for p in dst.iterdir()] == ["old.txt"] and (dst / "old.txt").read_text() == "old"
@@ -842,7 +842,7 @@ BASELINE_THEN_WHOLE = textwrap.dedent(
     """
     import resource, sys
     from pathlib import Path
-    import torch, transformers, modeling_dcformer, modeling_dcformer.conversion.caiyun_to_hf
+    import torch, transformers, modeling_dcformer, modeling_dcformer.conversion.released
     from safetensors.torch import load_file
     print("BASELINE", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     sys.stdout.flush()
@@ -878,7 +878,7 @@ def test_converter_streams_shard_by_shard(tmp_path):
     assert len(shard_sizes) == 8 and max(shard_sizes) < 32e6 and total > 180e6, (shard_sizes, total)
 
     dst = tmp_path / "dst"
-    converter = python_child("-c", PEAK_RSS_OF_CHILD, sys.executable, "-m", "modeling_dcformer.conversion.caiyun_to_hf",
+    converter = python_child("-c", PEAK_RSS_OF_CHILD, sys.executable, "-m", "modeling_dcformer.conversion.released",
                              str(src), str(dst), "--max-shard-size", "24MB")
     # runs alongside (separate process trees, separate measurements)
     reference = python_child("-c", PEAK_RSS_OF_CHILD, sys.executable, "-c", BASELINE_THEN_WHOLE, str(src))

@@ -1,8 +1,8 @@
-"""save_pretrained and from_pretrained under the faults of issue 30 (items 1, 4, 8, 9) and issue 27 item 4: saved
-folders keep the umask's mode or the existing folder's; ".", ".." and symlinks (also to an empty folder) save into
-the folder they name; three processes saving one folder each finish with one whole save; a process loading while
-another re-saves never mixes two saves; `from_pretrained(root, subfolder=...)` works for a released DCFormer++
-checkpoint and for our layout. Each of these fails on the code before the sharing-layer redesign."""
+"""save_pretrained and from_pretrained under faults: saved folders keep the umask's mode or the existing folder's; ".",
+".." and symlinks (also to an empty folder) save into the folder they name; three processes saving one folder each
+finish with one whole save; a process loading while another re-saves never mixes two saves; `from_pretrained(root,
+subfolder=...)` works for a released DCFormer++ checkpoint and for our layout. Each of these fails on the code before
+the sharing-layer redesign."""
 
 import json
 import os
@@ -46,7 +46,7 @@ def umask_022():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Modes (issue 30 item 1)
+# Modes
 # ----------------------------------------------------------------------------------------------------------------
 def test_saved_folder_mode_follows_the_umask(tmp_path, umask_022):
     tiny().save_pretrained(tmp_path / "model")
@@ -63,7 +63,7 @@ def test_resave_keeps_a_shared_folders_mode(tmp_path, umask_022):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# ".", "..", symlinks (issue 30 item 8)
+# ".", "..", symlinks
 # ----------------------------------------------------------------------------------------------------------------
 def test_save_into_dot_from_inside_the_folder(tmp_path, monkeypatch):
     folder = tmp_path / "model"
@@ -106,7 +106,7 @@ def test_save_through_a_symlink_to_an_empty_folder(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Concurrent saves and loads (issue 30 items 4 and 9)
+# Concurrent saves and loads
 # ----------------------------------------------------------------------------------------------------------------
 SAVER = textwrap.dedent(
     """
@@ -170,7 +170,7 @@ def test_a_load_never_mixes_two_saves(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# from_pretrained's arguments behave as for any model (issue 27 item 4)
+# from_pretrained's arguments behave as for any model
 # ----------------------------------------------------------------------------------------------------------------
 def test_subfolder_of_a_released_dcformer_plus_plus_checkpoint(tmp_path):
     src, _, _ = released_dir(tmp_path / "root", "sub", model_type="dcformer")

@@ -1,4 +1,4 @@
-"""Serving a saved DCFormer behind transformers' OpenAI-compatible server (`transformers serve`, issue 29 item 4).
+"""Serving a saved DCFormer behind transformers' OpenAI-compatible server (`transformers serve`).
 
 What transformers 5.24's server does and what that means for DCFormer (docs/memory.md, "Serving"):
 - It loads a model by `getattr(transformers, config.architectures[0])`: only classes inside transformers are found,

@@ -1,5 +1,5 @@
-"""The comparison on three axes (issue 31 items 1 and 4): every run reported against training tokens, training
-FLOPs (`modeling_dcformer.experiments.flops`) and training seconds; `--report-only` rebuilds the tables and the
+"""The comparison on three axes: every run reported against training tokens, training
+FLOPs (`dcformer_research.flops`) and training seconds; `--report-only` rebuilds the tables and the
 three-axis plots from results.json, also from the JSON of older versions (seconds estimated from the median step
 time, or n/a); the GPU command of docs/evidence.md parses, and `--device cuda` without CUDA is one clear error."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling_dcformer.experiments import compare, flops
+from dcformer_research import compare, flops
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -107,7 +107,7 @@ def gpu_command() -> list[str]:
             break
         block.append(line.rstrip("\\").strip())
     argv = shlex.split(" ".join(block))
-    assert argv[:3] == ["python", "-m", "modeling_dcformer.experiments.compare"]
+    assert argv[:3] == ["python", "-m", "dcformer_research.compare"]
     return argv[3:]
 
 

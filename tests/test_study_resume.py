@@ -1,4 +1,4 @@
-"""The longer study's driver (`modeling_dcformer.experiments.study`, issue 31 item 2): the queue skips finished runs,
+"""The longer study's driver (`dcformer_research.study`): the queue skips finished runs,
 continues an interrupted run from its last complete checkpoint (and ends where an uninterrupted run ends), ignores
 a half-written checkpoint, and chooses the rates of later phases by its written rule."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, TrainerCallback, TrainingArguments
 
-from modeling_dcformer.experiments import runner, study
+from dcformer_research import runner, study
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 

@@ -1,4 +1,4 @@
-"""What the tools say when something outside them goes wrong (issue 19, items 9, 10 and 12):
+"""What the tools say when something outside them goes wrong:
 
 - the converters' `--push-to-hub` with a failing upload: one line (the complete output directory, the failure, the
   `hf upload` command that retries just the upload), a non-zero exit, the directory left complete;
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from helpers import load_example, save_tiny_neox
-from modeling_dcformer.conversion import caiyun_to_hf
-from modeling_dcformer.conversion import pythia_to_dcpythia as p2d
-from modeling_dcformer.experiments import train_clm
+from modeling_dcformer.conversion import released as released_converter
+from modeling_dcformer.conversion import pythia as p2d
+from modeling_dcformer.training import train_clm
 from released_checkpoint import released_dir
 
 demo = load_example("demo")  # examples/demo.py, in-process
@@ -52,7 +52,7 @@ def test_failed_upload_is_one_line_with_the_retry_command(tool, tmp_path, capsys
         src, module, extra = tmp_path / "neox", p2d, ["--no-verify"]
         save_tiny_neox(src)
     else:
-        src, module, extra = released_dir(tmp_path)[0], caiyun_to_hf, []
+        src, module, extra = released_dir(tmp_path)[0], released_converter, []
     capsys.readouterr()
     dst = tmp_path / "out dir"  # a space: the retry command must quote it
     code = module.main([str(src), str(dst), "--push-to-hub", REPO, "--private", *extra])
@@ -62,7 +62,7 @@ def test_failed_upload_is_one_line_with_the_retry_command(tool, tmp_path, capsys
     assert code != 0 and code != 2, (code, err)  # 2 is "nothing converted"; this one says the output is there
     assert len(lines) == 1 and "Traceback" not in err, err
     line = lines[0]
-    assert f"saved the model to {dst.resolve()}" in line and REPO in line  # hub.HubUploadError's own text
+    assert f"saved the model to {dst.resolve()}" in line and REPO in line  # publishing.HubUploadError's own text
     assert "ConnectError: [Errno -3] Temporary failure in name resolution" in line and "25 more" not in line
     assert f"hf upload {REPO} '{dst.resolve()}' --private" in line
     assert f"Converted {src}" in out

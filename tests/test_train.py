@@ -33,8 +33,8 @@ VALID_TXT = EXAMPLES / "data" / "harbour_validation.txt"
 
 import modeling_dcformer  # noqa: F401
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
-from modeling_dcformer.experiments import train_clm
-from modeling_dcformer.experiments.tokenizer_utils import build_tiny_tokenizer, read_lines
+from modeling_dcformer.training import train_clm
+from modeling_dcformer.training.tokenizer import build_tiny_tokenizer, read_lines
 
 ACCELERATE_DIR = train_clm.ACCELERATE_DIR  # the accelerate configs, installed with the package
 
@@ -163,7 +163,7 @@ def run_cmd(cmd, env, timeout=150):
 
 
 def load_script():
-    return train_clm  # examples/train_clm.py runs modeling_dcformer.experiments.train_clm's command line
+    return train_clm  # examples/train_clm.py runs modeling_dcformer.training.train_clm's command line
 
 
 # ----------------------------------------------------------------------------------------------------------------

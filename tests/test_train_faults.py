@@ -1,8 +1,8 @@
-"""dcformer-train (modeling_dcformer.experiments.train_clm) under bad input and faults (issue 30 items 2, 6, 9, 10;
-issue 28 item 11): every failure is one line naming the flag, file or value (exit code 2 through the console
-script's `cli`), no checkpoint of non-finite weights is written, a checkpoint that cannot be resumed from (NaN
-weights, truncated weights or optimizer) is set aside with a warning and the previous one used, a full disk
-leaves no half-written checkpoint, and DDP is told that no parameter is unused (true for every weight)."""
+"""dcformer-train (modeling_dcformer.training.train_clm) under bad input and faults: every failure is one line naming
+the flag, file or value (exit code 2 through the console script's `cli`), no checkpoint of non-finite weights is
+written, a checkpoint that cannot be resumed from (NaN weights, truncated weights or optimizer) is set aside with a
+warning and the previous one used, a full disk leaves no half-written checkpoint, and DDP is told that no parameter
+is unused (true for every weight)."""
 
 import errno
 import json
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
-from modeling_dcformer.experiments import train_clm
+from modeling_dcformer.training import train_clm
 
 from helpers import train_argv as shared_train_argv
 
@@ -205,7 +205,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_leaves_no_partial_checkpo
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 28 item 11: DDP needs no search for unused parameters
+# DDP needs no search for unused parameters
 # ----------------------------------------------------------------------------------------------------------------
 def test_every_parameter_takes_part_so_ddp_is_told_none_is_unused(tmp_path):
     """A config that uses every kind of weight (DCMHA with all four composition slots, q/k norms, local and global

@@ -1,4 +1,4 @@
-"""The "triton" DCMHA implementation (`modeling_dcformer/triton_kernel.py`, flash-style Triton kernels) against the
+"""The "triton" DCMHA implementation (`modeling_dcformer/kernels/dcmha_triton.py`, flash-style Triton kernels) against the
 oracle, forward and backward. Without a GPU the kernels run in Triton's CPU interpreter (conftest.py sets
 TRITON_INTERPRET=1): the same kernel code, the numbers checked, the speed not.
 
@@ -18,18 +18,18 @@ import pytest
 import torch
 
 from helpers import VOCAB, assert_close, build_model, make_config, padded_batch
-from modeling_dcformer import triton_kernel
+from modeling_dcformer.kernels import dcmha_triton
 from modeling_dcformer.dcmha import time_last
 from oracle import oracle_attention
 
-pytestmark = pytest.mark.skipif(triton_kernel.triton is None, reason="Triton is not installed")
+pytestmark = pytest.mark.skipif(dcmha_triton.triton is None, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _runs_here():
-    if not triton_kernel.available(DEVICE):
-        pytest.skip(f"Triton kernels cannot run here: {triton_kernel.unsupported(torch.device(DEVICE), 1)}")
+    if not dcmha_triton.available(DEVICE):
+        pytest.skip(f"Triton kernels cannot run here: {dcmha_triton.unsupported(torch.device(DEVICE), 1)}")
 
 
 CASES = {
@@ -56,8 +56,8 @@ def test_triton_matches_oracle_forward_and_backward(case, split, monkeypatch):
     dimensions, each program recomputing the probabilities (what big heads use on a GPU)."""
     B, G, M, I, Dh, T, S, key_wise, window, padding, query_start = CASES[case]
     if split:
-        settings = triton_kernel.block_settings
-        monkeypatch.setattr(triton_kernel, "block_settings", lambda *a: dict(settings(*a), DK=16, DV=16))
+        settings = dcmha_triton.block_settings
+        monkeypatch.setattr(dcmha_triton, "block_settings", lambda *a: dict(settings(*a), DK=16, DV=16))
     N = G * M
     gen = torch.Generator().manual_seed(len(case))
     q, k, v = torch.randn(B, N, T, Dh, generator=gen), torch.randn(B, N, S, Dh, generator=gen), None
@@ -79,7 +79,7 @@ def test_triton_matches_oracle_forward_and_backward(case, split, monkeypatch):
     pad_in = None if pad is None else pad.to(DEVICE)
     qt_in, kt_in = time_last(ours[3]), time_last(ours[4]) if key_wise else None
     pad_in = None if pad_in is None else pad_in.to(torch.uint8)
-    out = triton_kernel.dcmha_triton(*ours[:3], qt_in, kt_in, pad_in, query_start, 0, window, I, G)
+    out = dcmha_triton.dcmha_triton(*ours[:3], qt_in, kt_in, pad_in, query_start, 0, window, I, G)
     assert out.shape == (B, T, N, Dh)
     grads = torch.autograd.grad((out * grad_out.float().to(DEVICE)).sum(), ours)
     assert_close(out.cpu(), ref)
@@ -113,10 +113,10 @@ def test_triton_is_a_clear_error_where_it_cannot_run(monkeypatch):
         plain.config.dcmha_implementation = "eager"
         assert_close(logits, plain(ids, attention_mask=mask).logits)
     query = torch.zeros(1, 4, 5, 8)
-    assert "rank" in triton_kernel.unsupported(query.device, triton_kernel.MAX_RANK + 1)
-    monkeypatch.setattr(triton_kernel, "interpreting", lambda: False)
-    assert "runs on CUDA" in triton_kernel.unsupported(torch.device("cpu"), 2)
-    monkeypatch.setattr(triton_kernel, "triton", None)
+    assert "rank" in dcmha_triton.unsupported(query.device, dcmha_triton.MAX_RANK + 1)
+    monkeypatch.setattr(dcmha_triton, "interpreting", lambda: False)
+    assert "runs on CUDA" in dcmha_triton.unsupported(torch.device("cpu"), 2)
+    monkeypatch.setattr(dcmha_triton, "triton", None)
     with pytest.raises(ValueError, match="Triton is not installed"):
         model(ids)
     with pytest.raises(ValueError, match="Triton is not installed"):  # no "eager" fallback where it cannot run
@@ -127,15 +127,15 @@ def test_a_program_too_big_for_the_gpu_is_a_clear_error(monkeypatch):
     class TooBig:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                raise triton_kernel.triton.runtime.errors.OutOfResources(262144, 232448, "shared memory")
+                raise dcmha_triton.triton.runtime.errors.OutOfResources(262144, 232448, "shared memory")
 
             return launch
 
-    monkeypatch.setattr(triton_kernel, "_fwd", TooBig())
+    monkeypatch.setattr(dcmha_triton, "_fwd", TooBig())
     q = torch.zeros(1, 4, 5, 8, device=DEVICE)
     terms = torch.zeros(1, 1, 2, 5, 4, 5, device=DEVICE)  # time-last [B, G, 2, 2I+1, M, T]
     with pytest.raises(ValueError, match="do not fit this GPU for 4 heads per group .* of 16 dimensions"):
-        triton_kernel.dcmha_triton(q, q, q, terms, terms, None, 0, 0, None, 2, 1)
+        dcmha_triton.dcmha_triton(q, q, q, terms, terms, None, 0, 0, None, 2, 1)
 
 
 def test_kernels_compile_for_a_gpu_target_without_a_gpu():
@@ -160,6 +160,6 @@ def test_kernels_compile_for_a_gpu_target_without_a_gpu():
 def test_other_tiles_match_the_oracle_too(case, blocks, monkeypatch):
     """Tiles of BLOCK_T queries x BLOCK_S keys other than the default 16 x 16 (what `profile_shapes.py
     --implementation triton@TxS` times on a GPU): the same numbers, forward and backward."""
-    monkeypatch.setattr(triton_kernel, "BLOCK_T", blocks[0])
-    monkeypatch.setattr(triton_kernel, "BLOCK_S", blocks[1])
+    monkeypatch.setattr(dcmha_triton, "BLOCK_T", blocks[0])
+    monkeypatch.setattr(dcmha_triton, "BLOCK_S", blocks[1])
     test_triton_matches_oracle_forward_and_backward(case, False, monkeypatch)

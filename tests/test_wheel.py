@@ -72,7 +72,7 @@ def test_console_script_help(env, script):
 
 def test_python_m_help(env):
     bin_dir = env[0]
-    for module in ("modeling_dcformer.conversion.pythia_to_dcpythia", "modeling_dcformer.conversion.caiyun_to_hf",
+    for module in ("modeling_dcformer.conversion.pythia", "modeling_dcformer.conversion.released",
                    "modeling_dcformer.evals.harness"):
         assert "usage" in run(env, str(bin_dir / "python"), "-m", module, "--help").lower()
 

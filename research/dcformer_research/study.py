@@ -1,4 +1,4 @@
-"""The longer language-modelling study of issue 31 (docs/evidence.md, "The longer study"): a queue of single
+"""The longer language-modelling study (docs/evidence.md, "The longer study"): a queue of single
 training runs of the small comparison, in a fixed priority order, that saves as it goes and resumes after an
 interruption at any moment.
 
@@ -14,9 +14,9 @@ interruption at any moment.
   study running (`calibration.json`); `report` rebuilds the tables and plots from the run files, with the seconds
   axis recomputed from the calibration (steps x calibrated step time), the measured seconds kept beside it.
 
-    python -m modeling_dcformer.experiments.study run --out examples/results/lm_study_long
-    python -m modeling_dcformer.experiments.study calibrate --out examples/results/lm_study_long
-    python -m modeling_dcformer.experiments.study report --out examples/results/lm_study_long
+    python -m dcformer_research.study run --out research/results/lm_study_long
+    python -m dcformer_research.study calibrate --out research/results/lm_study_long
+    python -m dcformer_research.study report --out research/results/lm_study_long
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def default_spec() -> dict:
                   "512:seeds", "128:sweep", "128:long", "128:lower", "128:seeds"],
         "seeds": [0, 1, 2],
         "grid": list(GRID),
-        "import_from": "examples/results/lm_study",
+        "import_from": "research/results/lm_study",
     }
 
 
@@ -363,7 +363,7 @@ def load_results(out: Path) -> dict:
 
 def write_plan(out: Path, spec: dict, plan: list[dict]) -> None:
     write_atomic(out / "plan.json", json.dumps({"spec": spec, "plan": plan}, indent=1))
-    lines = ["# The study's queue (`python -m modeling_dcformer.experiments.study run`)", "",
+    lines = ["# The study's queue (`python -m dcformer_research.study run`)", "",
              "In the order it runs; rewritten after every run. `waiting`: its rate comes from runs not finished yet.",
              "", "| # | phase | hidden | model | lr | seed | steps | status | why |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -488,7 +488,7 @@ def write_study_report(out: Path, spec: dict) -> str:
     results = load_results(out)
     calibration = json.loads((out / "calibration.json").read_text()) if (out / "calibration.json").is_file() else None
     short, long = spec["short_steps"], spec["long_steps"]
-    lines = ["# The longer study (issue 31): DCFormer vs Transformer at 4x the tokens", "",
+    lines = ["# The longer study: DCFormer vs Transformer at 4x the tokens", "",
              f"{len(results)} finished runs in runs/ (the first study's short runs imported where identical). "
              "Queue and status: plan.md. Validation loss at the end of training (nats per token).", ""]
     lines += ["## Learning-rate sweeps (seed 0)", "",

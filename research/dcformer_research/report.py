@@ -11,7 +11,7 @@ import math
 import statistics
 from pathlib import Path
 
-from ..atomic_dir import write_file as write_atomic  # the package's one atomic file write
+from modeling_dcformer.checkpoints.atomic_dir import write_file as write_atomic  # the package's one atomic file write
 from .ablation import DC_MODELS, LABELS, MODELS, SLOT_NAMES
 from .flops import flops_per_step
 
@@ -429,7 +429,7 @@ def axes_lines(report: dict) -> list[str]:
     lines = [
         "",
         "Three axes (docs/evidence.md, \"Three axes\"): training tokens; training FLOPs counted from the shapes "
-        "(`modeling_dcformer.experiments.flops`: 3 x forward, causal attention pairs, DCMHA's projections and "
+        "(`dcformer_research.flops`: 3 x forward, causal attention pairs, DCMHA's projections and "
         f"Compose included); training seconds on this machine ({seconds_note}). Mean over seeds.",
         "",
         "| model | training tokens | training FLOPs | FLOPs / token | training seconds | final val loss |",
@@ -694,7 +694,7 @@ def write_scaling(out: Path, reports: list[dict]) -> str:
     lines += [
         "",
         "Training seconds: the training steps only, mean over seeds; ≈: estimated as steps x the median step time "
-        "(results written before the per-evaluation record). FLOPs: `modeling_dcformer.experiments.flops`. Loss "
+        "(results written before the per-evaluation record). FLOPs: `dcformer_research.flops`. Loss "
         "against tokens, FLOPs and seconds per size: scaling_axes.png.",
     ]
     text = "\n".join(lines) + "\n"

@@ -26,7 +26,6 @@ from modeling_dcformer.conversion.common import (
     ShardWriter,
     add_hub_arguments,
     check_destination,
-    checkpoint_fingerprint,
     copy_tokenizer_files,
     expected_shapes,
     iter_shard,
@@ -40,8 +39,9 @@ from modeling_dcformer.conversion.common import (
     weight_files,
     write_shareable,
 )
-from modeling_dcformer.hub import HubUploadError, check_repo_id
-from modeling_dcformer.released_format import SPLIT_QKV, is_released_config, native_key, query_wise_slots
+from modeling_dcformer.checkpoints.fingerprint import checkpoint_fingerprint
+from modeling_dcformer.publishing import HubUploadError, check_repo_id
+from modeling_dcformer.checkpoints.released_format import SPLIT_QKV, is_released_config, native_key, query_wise_slots
 
 logger = logging.get_logger("dcformer.caiyun_to_hf")
 IDENTITY_BUFFERS = re.compile(r"dyn_w_proj\.(pre_proj|post_proj)\.w$")

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.utils import SAFE_WEIGHTS_NAME
 
-from ..modeling_dcformer import DynamicWeightProjection
+from modeling_dcformer.modeling_dcformer import DynamicWeightProjection
 from .ablation import SLOT_NAMES, StaticComposition, build_model
 from .lm_corpus import BlockDataset, bits_per_byte, load_corpus, predicted_bytes_per_token
 from .report import write_atomic

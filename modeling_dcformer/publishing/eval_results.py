@@ -3,8 +3,8 @@
 `read_eval_results` turns what lm-eval 0.4 (or `dcformer-eval`) writes or returns into one record per task and
 metric, with the dataset, split, number of shots and rows it ran on, and `smoke`: why a record is no benchmark
 result (a `limit`, an offline `*_local` task, local data files, no record of the dataset), None when lm-eval scored
-every row of a Hub dataset's split. The model card (`modeling_dcformer.model_card`) puts only the latter in its
-`model-index`. Standard library only: this module never travels with a saved model.
+every row of a Hub dataset's split. The model card (`model_card.py`) puts only the latter in its `model-index`.
+Standard library only.
 """
 
 import json
@@ -18,7 +18,8 @@ EVAL_SOURCE_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
 LOCAL_DATASET_PATHS = ("json", "csv", "parquet", "text", "arrow")
 
 
-def _number(value) -> float | None:
+def finite_number(value) -> float | None:
+    """`value` as a finite float; None for anything else (a bool, None, text, NaN, an infinity)."""
     if isinstance(value, bool):
         return None
     try:
@@ -103,11 +104,11 @@ def read_eval_results(eval_results) -> dict:
             if key in EVAL_SKIP_KEYS or "," not in key:
                 continue
             metric, filt = key.split(",", 1)
-            number = _number(value)
+            number = finite_number(value)
             if metric.endswith("_stderr") or number is None:
                 continue
             name = metric if filt == "none" else f"{metric},{filt}"
-            stderr = _number(metrics.get(f"{metric}_stderr,{filt}"))
+            stderr = finite_number(metrics.get(f"{metric}_stderr,{filt}"))
             records.append(dict(task=task, metric=name, value=number, stderr=stderr, **common))
     if not records:
         raise ValueError("eval_results holds no metric (expected lm-eval's results[task]['acc,none'] and the like)")

@@ -1,6 +1,6 @@
 """A tiny byte-level BPE tokenizer trained locally, for demos and tests that must not download anything.
 
-    python -m modeling_dcformer.experiments.tokenizer_utils examples/data/harbour_train.txt --vocab-size 512 \
+    python -m modeling_dcformer.training.tokenizer examples/data/harbour_train.txt --vocab-size 512 \
         --out ./tiny-tokenizer
 
 The result is an ordinary `transformers` tokenizer directory (`AutoTokenizer.from_pretrained(out_dir)`), with

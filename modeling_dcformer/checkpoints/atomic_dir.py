@@ -1,11 +1,11 @@
 """Atomic directory output: a whole directory is written beside its destination, then swapped in.
 
-Used by `save_pretrained` (`modeling_dcformer.hub`) and by the converters. It stays in the installed package: a
-saved model's remote code never carries it.
+Used by `save_pretrained` (`modeling_dcformer.publishing.saving`) and by the converters. It stays in the installed
+package: a saved model's remote code never carries it.
 
 API (stable):
 
-    from modeling_dcformer import atomic_dir
+    from modeling_dcformer.checkpoints import atomic_dir
 
     with atomic_dir.replacing(destination, overwrite=True, keep=None) as tmp:
         ...                                  # write every file of the new directory into `tmp`

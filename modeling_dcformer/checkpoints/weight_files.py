@@ -8,7 +8,7 @@ import os
 import struct
 from pathlib import Path
 
-from .checkpoint_checks import _listing
+from ..checkpoint_checks import listing
 
 
 def _resolver(source, subfolder: str = "", **hub_kwargs):
@@ -78,7 +78,7 @@ def _index_problem(index: Path, check_shards: bool = True) -> str | None:
     shards = set(content["weight_map"].values()) if check_shards else ()
     absent = sorted(str(shard) for shard in shards if not (index.parent / str(shard)).is_file())
     if absent:
-        return f"{index} names shards that are not in {index.parent}: {_listing(absent)}"
+        return f"{index} names shards that are not in {index.parent}: {listing(absent)}"
     if not isinstance(content.get("metadata"), dict):
         return f"{index} has no \"metadata\" object (transformers writes one with the total size); the index is corrupt"
     return None

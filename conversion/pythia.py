@@ -40,7 +40,6 @@ from modeling_dcformer.conversion.common import (
     ShardWriter,
     add_hub_arguments,
     check_destination,
-    checkpoint_fingerprint,
     copy_tokenizer_files,
     expected_shapes,
     iter_shard,
@@ -56,7 +55,8 @@ from modeling_dcformer.conversion.common import (
     weight_files,
     write_shareable,
 )
-from modeling_dcformer.hub import HubUploadError, check_repo_id
+from modeling_dcformer.checkpoints.fingerprint import checkpoint_fingerprint
+from modeling_dcformer.publishing import HubUploadError, check_repo_id
 from modeling_dcformer.modeling_dcformer import DynamicWeightProjection
 
 logger = logging.get_logger("dcformer.pythia_to_dcpythia")

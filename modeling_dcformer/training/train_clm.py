@@ -65,7 +65,7 @@ from transformers.utils import logging as hf_logging
 
 from .. import DCFormerConfig  # importing the package registers "dcformer"/"dcpythia" with the Auto classes
 from ..configuration import config_file
-from ..trainer import DCFormerTrainer
+from ..publishing.trainer import DCFormerTrainer
 
 logger = hf_logging.get_logger("dcformer.train_clm")
 
@@ -292,7 +292,7 @@ def load_tokenizer(model_args: ModelArguments, training_texts, resume_from: str 
         logger.info(f"resuming: the tokenizer of {resume_from} (not a newly trained one)")
         return AutoTokenizer.from_pretrained(resume_from)
     if model_args.new_tokenizer_vocab_size:
-        from .tokenizer_utils import build_tiny_tokenizer
+        from .tokenizer import build_tiny_tokenizer
 
         logger.info(f"training a {model_args.new_tokenizer_vocab_size}-token byte-level BPE tokenizer")
         return build_tiny_tokenizer(training_texts(), model_args.new_tokenizer_vocab_size)

@@ -1,13 +1,13 @@
 """The authors' released checkpoint layout (Caiyun-AI/DCPythia-6.9B, Caiyun-AI/DCFormer-2.8B) and its
 translation to ours: config keys, state-dict keys, and the derived tensors that are never used.
 
-See `docs/spec.md`, sections "Released configuration keys" and "Released state-dict keys". Installed package only:
-a save's remote code is in our names and does not carry this module (`configuration_dcformer.released_format`).
+See `docs/spec.md`, sections "Released configuration keys" and "Released state-dict keys". Installed package only
+(`PACKAGE.released` of the flat modules): a save's remote code is in our names and does not carry this module.
 """
 
 import re
 
-from .configuration_dcformer import DCFormerConfig, is_released_config
+from ..configuration_dcformer import DCFormerConfig, is_released_config
 
 # Released config key -> our attribute.
 CONFIG_RENAMES = {
@@ -164,6 +164,11 @@ def native_key(released_key: str, use_gated_mlp: bool) -> str | None:
     if not re.fullmatch(RELEASED_KEY, released_key):
         raise KeyError(released_key)
     return key if key.startswith("lm_head.") else "model." + key
+
+
+def is_released_key(key: str) -> bool:
+    """Whether `key` names a tensor of the released layout (a derived tensor of `IGNORED` excepted)."""
+    return bool(re.fullmatch(RELEASED_KEY, key) or SPLIT_QKV.match(key))
 
 
 # Every key of the released layout (besides the split q/k/v and the ignored derived tensors).

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, Trainer
 
-from .atomic_dir import write_file
+from ..checkpoints.atomic_dir import write_file
 from .model_card import card_options, is_generated_card, model_card
 
 TRAINER_SECTION = "## Training (written by transformers' Trainer)"

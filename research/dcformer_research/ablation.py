@@ -25,9 +25,9 @@ from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers.utils import logging as hf_logging
 
-from ..configuration import config_file, preset_names
-from ..configuration_dcformer import DCFormerConfig
-from ..modeling_dcformer import DW_RMS_EPS, DCFormerForCausalLM, DynamicWeightProjection
+from modeling_dcformer.configuration import config_file, preset_names
+from modeling_dcformer import DCFormerConfig
+from modeling_dcformer.modeling_dcformer import DW_RMS_EPS, DCFormerForCausalLM, DynamicWeightProjection
 
 logger = hf_logging.get_logger(__name__)
 

@@ -1,28 +1,20 @@
-"""The "kernel" DCMHA backend for CPU inference: Compose, mask, softmax and Compose again in one C++ operator that
-works in place on a chunk's raw q.k scores, a few query rows at a time, so that each row's scores stay in the core's
-cache between the steps and no [heads, chunk, keys] tensor is allocated between the two matrix products.
+"""The "cpu" DCMHA backend: Compose, mask, softmax and Compose again in one C++ operator that works in place on a
+chunk's raw q.k scores, a few query rows at a time, so that each row's scores stay in the core's cache between the
+steps and no [heads, chunk, keys] tensor is allocated between the two matrix products.
 
-The operator, `torch.ops.dcformer.compose_softmax_compose_`, is `csrc/dcmha_cpu.cpp` (package data), built on first
-use with `torch.utils.cpp_extension` and the system's C++ compiler into `$DCFORMER_CACHE` (default
-`~/.cache/dcformer`), in a folder named by a hash of the source, the flags, the torch version and the CPU. A build
-ends by writing a stamp with the library's checksum; a library that does not match its stamp (a crash mid-write, a
-corrupt file) is rebuilt, never loaded. The operator has a fake (meta) implementation, so torch.compile and export
-see it; its tiles run on PyTorch's intra-op thread pool (`at::parallel_for`). Training goes through
-`KernelAttention`: its backward pass recomputes each chunk's products and probabilities and runs the second operator,
-`torch.ops.dcformer.compose_softmax_compose_backward_` (the gradients of the products and of the composition
-factors, 16 query rows against blocks of 64 keys at a time), so "auto" uses the kernel for training on CPU too. Two more
-operators serve inference: `torch.ops.dcformer.dynamic_terms`, the dynamic-weight projection in one call
-(`dynamic_terms`), and `torch.ops.dcformer.dcmha_decode`, a few queries' whole attention in one call
-(`decode_attention`: a decode step). This file is not part of a saved model's remote code.
+The operators are `csrc/dcmha_cpu.cpp` (package data), built on first use (`build.OperatorLibrary`: the compiler,
+the cache folder, the stamp and the lock). `torch.ops.dcformer.compose_softmax_compose_` is the forward operator; it
+has a fake (meta) implementation, so torch.compile and export see it, and its tiles run on PyTorch's intra-op thread
+pool (`at::parallel_for`). Training goes through `KernelAttention`: its backward pass recomputes each chunk's products
+and probabilities and runs the second operator, `torch.ops.dcformer.compose_softmax_compose_backward_` (the
+gradients of the products and of the composition factors, 16 query rows against blocks of 64 keys at a time), so
+"auto" uses it for training on CPU too. Two more operators serve inference: `torch.ops.dcformer.dynamic_terms`, the
+dynamic-weight projection in one call (`CPUBackend.project`), and `torch.ops.dcformer.dcmha_decode`, a few queries'
+whole attention in one call (`decode_attention`: a decode step). A save's remote code does not carry this file.
 """
 
 import contextlib
-import hashlib
 import os
-import platform
-import shutil
-import tempfile
-import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,23 +22,22 @@ import torch
 from torch.autograd.function import once_differentiable
 from transformers.utils import logging
 
-from .dcmha_base import DCMHABackend, DCMHAInputs, join_chunks
+from ..dcmha_base import DCMHABackend, DCMHAInputs, join_chunks
+from .build import OperatorLibrary
 
 logger = logging.get_logger(__name__)
 
 MAX_RANK = 8  # dynamic_rank supported by the kernel (its per-block buffers are sized by it)
 MAX_HEADS_BACKWARD = 256  # heads per group its backward pass supports (MAX_HEADS in the source)
 SOURCE = Path(__file__).with_name("csrc") / "dcmha_cpu.cpp"
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
-STAMP = "build.sha256"
 # below this many scores a chunk runs on the calling thread: waking the pool costs more than a decode step's work
 PARALLEL_MIN_SCORES = 1 << 18
 # calls with at most this many queries (a decode step, assisted decoding's drafts) go to one operator call
 DECODE_MAX_QUERIES = 16
 # the kernel's chunks hold at most this many queries (fewer where attention_chunk_size says so): a causal chunk of c
 # queries computes about c / 2 masked products a row, so 64 instead of 128 computes 25% fewer scores at 128 tokens
-# and 6% fewer at 1,024 (a training step 0.93-1.04x, median 0.99: docs/performance.md, round 9)
-KERNEL_CHUNK_QUERIES = 64
+# and 6% fewer at 1,024 (a training step 0.93-1.04x, median 0.99: docs/performance.md)
+CHUNK_QUERIES = 64
 # a chunk's scores are laid out so that one head's rows start this many floats after the previous head's, modulo
 # 4 KiB (1,024 floats): the operator's block stride (STRIDE in csrc/dcmha_cpu.cpp), where its Compose works on the
 # scores in place instead of on copies (`score_layout`)
@@ -73,34 +64,6 @@ def runs_parallel(num_scores: int) -> bool:
     return _parallel_pid == os.getpid()
 
 
-def compiler() -> str | None:
-    """The C++ compiler the kernel is built with: $CXX, else c++, g++ or clang++ on the PATH."""
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: $DCFORMER_CACHE, default ~/.cache/dcformer."""
-    return Path(os.environ.get("DCFORMER_CACHE", Path.home() / ".cache" / "dcformer"))
-
-
-def cpu_signature() -> str:
-    """What the built code depends on besides its source and flags (-march=native): the CPU model and flags."""
-    info = platform.machine() + platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            info += "".join(line for line in f if line.startswith(("model name", "flags")))[:20000]
-    except OSError:
-        pass
-    return info
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def score_layout(B: int, N: int, c: int, s: int, stagger: int = HEAD_STAGGER) -> tuple[int, tuple[int, int, int, int]]:
     """How `kernel_forward` lays out a chunk's scores [B, N, c, s]: each head's c rows of s keys contiguous, the heads
     `stagger` (HEAD_STAGGER) floats apart modulo 4 KiB (rows of contiguous heads at 1,024 keys would lie a multiple
@@ -115,115 +78,39 @@ def rows_per_tile(num_heads_per_group: int, keys: int, budget_floats: int = 1 <<
     return max(1, min(64, budget_floats // max(1, num_heads_per_group * keys)))
 
 
-class CPUKernelBackend(DCMHABackend):
-    """"kernel": per chunk, q.k into one buffer reused by every chunk, the operator in place on it, then @ v; with
+class CPUBackend(DCMHABackend):
+    """"cpu": per chunk, q.k into one buffer reused by every chunk, the operator in place on it, then @ v; with
     gradients, `KernelAttention` (which recomputes each chunk in the backward pass, whatever `recompute` says: it
-    keeps nothing of a chunk)."""
+    keeps nothing of a chunk). "auto" takes it first wherever it can compute the call."""
 
-    name = "kernel"
+    name = "cpu"
+    auto_rank = 30
+    traced_as_eager = True
 
-    def __init__(self, source: Path = SOURCE, cflags: list[str] = CFLAGS):
-        self.source = source
-        self.cflags = list(cflags)  # benchmarks/ab_kernel_source.py builds variants with more flags
-        self.loaded = False
-        self._lock = threading.Lock()
+    def __init__(self, library: OperatorLibrary | None = None):
+        self.library = library if library is not None else OperatorLibrary(SOURCE)
+        self.failure: str | None = None
 
-    # -- building ------------------------------------------------------------------------------------------------
-    def build_dir(self, cxx: str) -> Path:
-        key = "\0".join([self.source.read_text(), cxx, *self.cflags, torch.__version__, cpu_signature()])
-        return cache_dir() / f"dcmha_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    def prepare(self) -> None:
+        """Build (once per machine) and load the operators; a RuntimeError with the reason where that fails."""
+        if not self.library.loaded:
+            self.library.load()
+            register_fake()
 
-    def load(self) -> None:
-        """Build (unless a verified build is cached) and load the operator. Raises RuntimeError with the reason; the
-        failure is remembered and logged once as a warning (so that "auto", which then does without the kernel,
-        says so), and later calls fail at once."""
-        if self.loaded:  # set once the operators are registered, never unset: no lock needed to read it
-            return
-        with self._lock:
-            if self.loaded:
-                return
-            if self.failure is not None:
-                raise RuntimeError(self.failure)
-            try:
-                self._load()
-            except Exception as err:  # noqa: BLE001  (any build failure: the backend is unavailable here)
-                self.failure = f"it cannot be built here ({type(err).__name__}: {str(err)[-1500:]})"
-                logger.warning(f'DCMHA "{self.name}" {self.failure}; dcmha_implementation="auto" does without it')
-                raise RuntimeError(self.failure) from err
-            self.loaded = True
-
-    def _verified_library(self, folder: Path) -> Path | None:
-        """The folder's library if its stamp matches it (a complete build), else None."""
-        library, stamp = folder / f"{folder.name}.so", folder / STAMP
-        try:
-            if stamp.read_text().strip() == file_sha256(library):
-                return library
-        except OSError:  # missing, or the folder is not a folder
-            pass
-        return None
-
-    def _load(self) -> None:
-        cxx = compiler()
-        if cxx is None:
-            raise RuntimeError("no C++ compiler found (set $CXX, or install g++ or clang++)")
-        if not self.source.is_file():
-            raise RuntimeError(f"the kernel's source {self.source} is missing (a broken installation?)")
-        folder = self.build_dir(cxx)
-        library = self._verified_library(folder)
-        if library is None:
-            root = folder.parent
-            if root.exists() and not root.is_dir():
-                raise RuntimeError(f"the kernel cache {root} ($DCFORMER_CACHE) is a file, not a folder")
-            root.mkdir(parents=True, exist_ok=True)
-            from filelock import FileLock
-
-            # one build per cache entry at a time; the others wait, then load what it built
-            with FileLock(str(root / f"{folder.name}.lock"), timeout=1800):
-                library = self._verified_library(folder)
-                if library is None:
-                    self._build(folder, cxx)  # builds and loads
-        if library is not None:
-            torch.ops.load_library(str(library))
-        register_fake()
-
-    def _build(self, folder: Path, cxx: str) -> None:
-        """Build and load the library in a private folder beside `folder`, stamp it, then move it into place (the
-        caller holds the folder's lock): concurrent builds never share a folder, and the cache entry appears whole
-        or not at all. A folder that holds no verified build, or a file in its place, is replaced."""
-        if folder.exists() or folder.is_symlink():
-            logger.warning(f"the DCMHA CPU kernel cached in {folder} is incomplete or corrupt: rebuilding it")
-        private = Path(tempfile.mkdtemp(prefix=f"{folder.name}.build-", dir=folder.parent))
-        try:
-            logger.info(f"building the DCMHA CPU kernel into {folder} (once; about 30 s)")
-            from torch.utils import cpp_extension
-
-            os.environ.setdefault("CXX", cxx)
-            cpp_extension.load(
-                name=folder.name,
-                sources=[str(self.source)],
-                extra_cflags=self.cflags,
-                build_directory=str(private),
-                is_python_module=False,
-                verbose=False,
-            )
-            (private / STAMP).write_text(file_sha256(private / f"{folder.name}.so") + "\n")
-            if folder.is_symlink() or folder.is_file():
-                folder.unlink()
-            elif folder.exists():
-                shutil.rmtree(folder)
-            os.replace(private, folder)  # the stamped build appears whole, or not at all
-        finally:
-            shutil.rmtree(private, ignore_errors=True)  # a failed build leaves nothing behind
+    def record_failure(self, err: BaseException) -> None:
+        if self.failure is None:  # the library's reason where it could not be built, else what failed
+            self.failure = self.library.failure or f"it failed here ({type(err).__name__}: {str(err)[:300]})"
+            logger.warning(f'DCMHA "cpu" {self.failure}; dcmha_implementation="auto" does without it')
 
     # -- the interface -------------------------------------------------------------------------------------------
-    def projection(self, x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: torch.Tensor, rank: int,
-                   eps: float) -> torch.Tensor | None:
+    def project(self, x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: torch.Tensor, rank: int,
+                eps: float) -> torch.Tensor | None:
         """The dynamic-weight projection of x [B, T, D] with the parameters dw1 [D, G, C, K], qkw [G, C, K, 2I, M], dd
         [D, G, C*M] by `dynamic_terms` (the factors [B*T, G, C, 2I+1, M]) where it may run: at most
         DECODE_MAX_QUERIES rows (batch x time), no gradient recorded (the operator has none), all float32 on CPU, not
-        under autocast (whose products are in half precision), nothing being traced, and the kernel built here (or
-        building now); else None (`dcmha.projection_kernel`). Its checks are few and cheap: it runs at every
-        layer of every decode step, where each Python call costs microseconds (docs/performance.md, round 13)."""
+        under autocast (whose products are in half precision), nothing being traced, and the operators built here
+        (or building now); else None. Its checks are few and cheap: it runs at every layer of every decode step,
+        where each Python call costs microseconds (docs/performance.md)."""
         D = x.shape[-1]
         if x.numel() > DECODE_MAX_QUERIES * D or not x.is_cpu or x.dtype != torch.float32:
             return None  # more rows: ATen's batched products beat the operator's loop per row (docs/performance.md)
@@ -234,8 +121,9 @@ class CPUKernelBackend(DCMHABackend):
         if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
             return None
         try:
-            self.load()  # returns at once when built; a failed build is remembered and raises at once
-        except RuntimeError:
+            self.prepare()  # returns at once when built; a failed build is remembered and raises at once
+        except RuntimeError as err:
+            self.record_failure(err)
             return None
         return dynamic_terms(x, dw1, dd, qkw, rank, eps)  # the operator views them 2-D itself
 
@@ -250,11 +138,7 @@ class CPUKernelBackend(DCMHABackend):
             return f"it supports dynamic_rank <= {MAX_RANK}"
         if needs_grad(inputs) and inputs.query.shape[1] // inputs.num_groups > MAX_HEADS_BACKWARD:
             return f"its backward pass supports up to {MAX_HEADS_BACKWARD} heads a group"
-        try:
-            self.load()
-        except RuntimeError as err:
-            return str(err)
-        return None
+        return self.failure or self.library.unavailable()
 
     def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
         B, N, T, S, Dh = inputs.shapes
@@ -262,7 +146,7 @@ class CPUKernelBackend(DCMHABackend):
             return decode_attention(inputs), None
         qt, kt = (None if t is None else t.float() for t in inputs.time_last_terms())
         pad = None if inputs.key_padding_mask is None else inputs.key_padding_mask.to(torch.uint8).contiguous()
-        spans = inputs.chunk_spans(KERNEL_CHUNK_QUERIES)
+        spans = inputs.chunk_spans(CHUNK_QUERIES)
         if not spans:
             probs = inputs.query.new_zeros(B, N, 0, S, dtype=torch.float32) if output_attentions else None
             return inputs.query.new_zeros(B, 0, N, Dh), probs
@@ -286,7 +170,7 @@ def decode_attention(inputs: DCMHAInputs) -> torch.Tensor:
     """A few queries (a decode step, or a few draft tokens) in one operator call, `torch.ops.dcformer.dcmha_decode`:
     the same arithmetic as the chunked path (q.k, then the operator of `compose_softmax_compose`, then times the
     values), with the factors read where the model and its cache keep them. Returns the output [B, T, N, Dh]."""
-    KERNEL.load()
+    CPU.prepare()
     B, N, T, S, Dh = inputs.shapes
     pad = inputs.key_padding_mask
     pad = None if pad is None else pad.to(torch.uint8).contiguous()
@@ -418,13 +302,13 @@ def register_fake() -> None:
     register_fake.done = True
 
 
-KERNEL = CPUKernelBackend()
+CPU = CPUBackend()
 
 
 def available() -> bool:
-    """Whether the kernel can run here (it is built, or can be: this builds it)."""
+    """Whether the operators can run here (they are built, or can be: this builds them)."""
     try:
-        KERNEL.load()
+        CPU.prepare()
         return True
     except RuntimeError:
         return False
@@ -433,21 +317,21 @@ def available() -> bool:
 def vector_width() -> int:
     """The floats the kernel's Compose works on at once: 16 where it was built for AVX-512 (`-march=native` on such a
     CPU), 8 otherwise (builds it if need be)."""
-    KERNEL.load()
+    CPU.prepare()
     return int(torch.ops.dcformer.vector_width())
 
 
 def block_stride() -> int:
     """The head stagger (floats, modulo 4 KiB) at which the forward operator composes the scores in place (STRIDE in
     csrc/dcmha_cpu.cpp); HEAD_STAGGER must equal it (builds the kernel if need be)."""
-    KERNEL.load()
+    CPU.prepare()
     return int(torch.ops.dcformer.block_stride())
 
 
 def checked_operands(rank: int, key_padding_mask: torch.Tensor | None, **tensors: torch.Tensor | None):
     """What both operators' wrappers do before calling them: load the kernel, check the tensors (named by their
     keywords) and the rank with clear errors, and return the padding mask as the operators take it (uint8)."""
-    KERNEL.load()
+    CPU.prepare()
     for name, tensor in tensors.items():
         if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.is_cuda):
             raise ValueError(f"the DCMHA CPU kernel takes contiguous float32 CPU tensors; {name} is not")
@@ -541,7 +425,7 @@ def dynamic_terms(x: torch.Tensor, dw1: torch.Tensor, dd: torch.Tensor, qkw: tor
     rows), dw1 [D, G*C*K], dd [D, G*C*M] (or the parameters as they are, [D, G, C, K] and [D, G, C*M]) and qkw
     [G, C, K, 2I, M] give the factors [R, G, C, 2I+1, M] exactly as `DynamicWeightProjection.forward` packs them (w1
     RMS-normalised with `eps`, w2, tanh of the diagonal)."""
-    KERNEL.load()
+    CPU.prepare()
     parallel = runs_parallel(x.numel() // x.shape[-1] * qkw.numel())  # rows (batch x time, x may be 3-D) x weights
     try:  # the operator checks its operands (fp32 CPU tensors of matching shapes)
         return torch.ops.dcformer.dynamic_terms(x, dw1, dd, qkw, rank, eps, parallel)

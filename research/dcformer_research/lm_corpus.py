@@ -14,8 +14,8 @@ Tokenisers: `byte` (UTF-8 bytes, ids 1..256; id 0 is `<|endoftext|>`, put after 
 byte-level BPE trained on the training documents only (`tokenizer_utils.build_tiny_tokenizer`, id 0 is
 `<|endoftext|>` too). Each split becomes one token stream: its documents in name order, each followed by id 0.
 
-    python -m modeling_dcformer.experiments.lm_corpus   # summary of the default corpus and its split
-    python -m modeling_dcformer.experiments.lm_corpus my_texts/ --tokenizer bpe --bpe-vocab 2048
+    python -m dcformer_research.lm_corpus   # summary of the default corpus and its split
+    python -m dcformer_research.lm_corpus my_texts/ --tokenizer bpe --bpe-vocab 2048
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class BPETokenizer:
     name = "bpe"
 
     def __init__(self, texts: list[str], vocab_size: int):
-        from .tokenizer_utils import build_tiny_tokenizer
+        from modeling_dcformer.training.tokenizer import build_tiny_tokenizer
 
         self.tokenizer = build_tiny_tokenizer(texts, vocab_size)
         self.vocab_size = len(self.tokenizer)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .dcmha_base import DCMHABackend, DCMHAInputs
+from ..dcmha_base import DCMHABackend, DCMHAInputs
 
 MAX_RANK = 8  # dynamic_rank supported by the kernels
 
@@ -530,10 +530,33 @@ def dcmha_triton(
     return _DCMHAFunction.apply(*args)
 
 
+# "auto" runs "triton" for calls of at least this many scores (batch x heads x queries x the keys each chunk sees):
+# below that (a decoding step) eager ops cost as little as a launch.
+AUTO_MIN_SCORES = 1 << 20
+AUTO_MIN_CAPABILITY = (8, 0)  # CUDA GPUs from Ampere on: Triton multiplies bf16 only there (tested: Hopper)
+
+
 class TritonBackend(DCMHABackend):
-    """"triton": the whole call at once (no chunks, no [heads, queries, keys] tensor), forward and backward."""
+    """"triton": the whole call at once (no chunks, no [heads, queries, keys] tensor), forward and backward. "auto"
+    takes it for large calls on CUDA GPUs of compute capability `AUTO_MIN_CAPABILITY` or newer
+    (`device_capability`: torch.cuda's, or a stand-in)."""
 
     name = "triton"
+    auto_rank = 20
+
+    def __init__(self, auto_min_scores: int = AUTO_MIN_SCORES, device_capability=None):
+        self.auto_min_scores = auto_min_scores
+        self.device_capability = device_capability or torch.cuda.get_device_capability
+
+    def why_not_auto(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
+        device = inputs.query.device
+        if device.type != "cuda":
+            return f"it is chosen on CUDA only, not on {device.type}"
+        if inputs.num_scores < self.auto_min_scores:
+            return f"fewer than {self.auto_min_scores} scores: eager ops cost as little as a launch"
+        if tuple(self.device_capability(device)) < AUTO_MIN_CAPABILITY:
+            return f"compute capability below {AUTO_MIN_CAPABILITY} (Triton multiplies bf16 only from Ampere on)"
+        return self.why_not(inputs, output_attentions)
 
     def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
         if self.failure is not None:

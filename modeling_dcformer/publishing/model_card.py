@@ -1,18 +1,17 @@
 """The model card of a saved DCFormer model (installed package only): huggingface_hub's `ModelCard` rendered from
 `model_card_template.md`, with `ModelCardData` metadata and `EvalResult` entries for whole-benchmark lm-eval runs."""
 
-import hashlib
 import os
 from pathlib import Path
 
-import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers.utils import logging
 
-from . import atomic_dir
-from .evals.lm_eval_results import EVAL_SOURCE_URL, _number, read_eval_results
+from ..checkpoints import atomic_dir
+from ..checkpoints.fingerprint import model_fingerprint
+from .eval_results import EVAL_SOURCE_URL, finite_number, read_eval_results
 
 logger = logging.get_logger(__name__)
 
@@ -117,7 +116,7 @@ def model_card(config, *, model_name: str, repo_id: str | None = None, license: 
     return ModelCard.from_template(
         data, template_path=TEMPLATE, marker=CARD_MARKER, model_name=model_name, model_id=repo_id or model_name,
         link=_source_link(config, base_model), conversion=conversion,
-        diff=_number(conversion.get("max_logit_difference")),
+        diff=finite_number(conversion.get("max_logit_difference")),
         changed=None not in (weights, conversion.get("weights")) and weights != conversion.get("weights"),
         quantization=quantization_summary(config),
         c=config, dtype=str(config.dtype).removeprefix("torch.") if getattr(config, "dtype", None) else None, full=full,
@@ -139,18 +138,6 @@ def write_model_card(save_directory: str | os.PathLike, config, *, overwrite: bo
     return path
 
 
-def weights_fingerprint(model) -> str | None:
-    """sha256 over the state dict (names, dtypes, shapes, bytes); None where a tensor is not all here (offloaded,
-    a tensor-parallel shard)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        if type(tensor) is not torch.Tensor or tensor.device.type == "meta":  # a DTensor shard, an offloaded tensor
-            return None
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
-        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
-    return "sha256:" + digest.hexdigest()
-
-
 def card_options(model, model_card: bool | dict = True) -> dict | None:
     """The `write_model_card` options of a save of `model` (None: no card): its tags, and lm-eval results, also kept
     in `config.lm_eval_results` with the measured weights' fingerprint, so a reloaded model saved again keeps them
@@ -163,7 +150,7 @@ def card_options(model, model_card: bool | dict = True) -> dict | None:
     converted = (getattr(model.config, "conversion", None) or {}).get("weights")
     if given is None and not kept and converted is None:
         return options
-    options["weights"] = fingerprint = weights_fingerprint(model)  # read by the card only for a converted model
+    options["weights"] = fingerprint = model_fingerprint(model)  # read by the card only for a converted model
     if given is None and not kept:
         return options
     if given is not None:

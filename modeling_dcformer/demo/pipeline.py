@@ -49,8 +49,8 @@ def source_name(src: str) -> str:
 
 def build_tiny_pythia(dst: Path, tokenizer_texts: list[str], seed: int) -> dict:
     """A random GPT-NeoX causal LM of Pythia's layout and a byte-level BPE tokenizer, saved to `dst`."""
-    from ..atomic_dir import replacing
-    from .tokenizer_utils import build_tiny_tokenizer
+    from ..checkpoints.atomic_dir import replacing
+    from ..training.tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(tokenizer_texts, TINY_PYTHIA["vocab_size"])
     torch.manual_seed(seed)
@@ -71,7 +71,7 @@ def build_tiny_pythia(dst: Path, tokenizer_texts: list[str], seed: int) -> dict:
 def convert(src: str, dst: Path, revision: str | None) -> dict:
     """dcformer-convert-pythia's command line, with --verify; the measured difference is read back from
     the config it wrote (`conversion.max_logit_difference`)."""
-    from ..conversion import pythia_to_dcpythia as p2d
+    from ..conversion import pythia as p2d
 
     argv = [src, str(dst), "--verify", "--overwrite"]
     if revision:
@@ -88,7 +88,7 @@ def convert(src: str, dst: Path, revision: str | None) -> dict:
 
 def finetune(argv: list[str]):
     """dcformer-train's command line (`train_clm.main(argv)`, Trainer); returns (trainer, the step's summary)."""
-    from . import train_clm
+    from ..training import train_clm
 
     print(f"$ dcformer-train {shlex.join(argv)}", flush=True)
     trainer = train_clm.main(argv)
@@ -147,7 +147,7 @@ def check_inputs(tokenizer, vocab_size: int) -> torch.Tensor:
 def save(model, tokenizer, dst: Path, eval_file: Path | None, repo_id: str | None) -> dict:
     """save_pretrained (model and tokenizer) into a directory that appears only when complete. Where
     save_pretrained writes a model card, it gets the directory's (or the Hub repo's) name and the lm-eval results."""
-    from ..atomic_dir import replacing
+    from ..checkpoints.atomic_dir import replacing
 
     card = {"model_name": repo_id.split("/")[-1] if repo_id else dst.name, "repo_id": repo_id}
     if eval_file is not None and eval_file.is_file():
