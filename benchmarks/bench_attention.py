@@ -12,8 +12,8 @@ What is timed, per sequence length T (batch `--batch-size`, causal, every layer 
     fwd+bwd      the same in training mode (chunks recomputed in the backward pass as the model does), loss = sum
 Each implementation is warmed up (for "compiled": compiled) before timing; the median of `--repeats` runs is
 printed with the ratio DCMHA / SDPA. The first call's time of "compiled" (the compilation) is printed apart.
-"cpu" (the C kernel, `modeling_dcformer/kernels/dcmha_cpu.py`) computes no gradients: its fwd+bwd cell is "-" (a
-training step with "auto" runs "compiled"). "triton" (`modeling_dcformer/kernels/dcmha_triton.py`) needs CUDA (the default
+"cpu" (the C++ kernel, `modeling_dcformer/kernels/dcmha_cpu.py`) times its forward and its backward operator.
+"triton" (`modeling_dcformer/kernels/dcmha_triton.py`) needs CUDA (the default
 on `--device cuda`) and Triton; it has no chunks, so `--chunk` does not apply to it.
 """
 
@@ -164,9 +164,6 @@ def main(argv=None) -> int:
             t_base = timed(base, device, args.repeats)
             cells = []
             for impl in args.implementations:
-                if impl == "cpu" and phase != "forward":
-                    cells.append("- | -")
-                    continue
                 config.dcmha_implementation = impl
                 step = make_step(dc_layer, rotary, phase, x)
                 sync(device)

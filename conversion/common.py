@@ -1,5 +1,6 @@
 """Pieces shared by the converters: finding a source checkpoint, reading it shard by shard, writing
-safetensors shards, and producing the output directory atomically (all or nothing)."""
+safetensors shards, producing the output directory atomically (all or nothing), recording where a conversion comes
+from, and sharing its result. `converter.Converter` is the pipeline that puts them together."""
 
 import errno
 import json
@@ -19,7 +20,7 @@ from transformers.utils import logging
 
 from modeling_dcformer.checkpoints import atomic_dir
 
-logger = logging.get_logger("dcformer.conversion")
+logger = logging.get_logger(__name__)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -160,6 +161,16 @@ def iter_shard(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         del state
 
 
+def count_tensors(files: list[Path]) -> int | None:
+    """How many tensors the checkpoint holds (for the progress bar), when cheap to know."""
+    index = sorted(files[0].parent.glob("*.index.json")) if files else []
+    if index:
+        return len(read_json(index[0]).get("weight_map") or {}) or None
+    if all(f.suffix == ".safetensors" for f in files):
+        return sum(len(shard_keys(f)) for f in files)
+    return None
+
+
 def parse_size(size: str | int) -> int:
     """'5GB', '500MB', '2GiB' or a number of bytes."""
     if isinstance(size, int):
@@ -218,6 +229,16 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return names
+
+
+def cast_checkpoint(src: Path, dst: Path, dtype: torch.dtype, max_shard_size: int) -> list[str]:
+    """Write the weights of the checkpoint directory `src` into `dst`, cast to `dtype`, in shards of at most
+    `max_shard_size` bytes (one tensor and one output shard in memory at a time). Returns the weight file names."""
+    writer = ShardWriter(dst, max_shard_size)
+    for file in weight_files(src):
+        for key, tensor in iter_shard(file):
+            writer.add(key, tensor.to(dtype))
+    return writer.finish()
 
 
 def write_error(path: Path, err: BaseException) -> OSError:
@@ -369,25 +390,6 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     if name not in dtypes:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(dtypes)}")
     return dtypes[name]
-
-
-def add_hub_arguments(parser, default_license: str | None) -> None:
-    """`--push-to-hub REPO`, `--private`, `--token`, `--license` (the converters' Hub options)."""
-    hub = parser.add_argument_group("sharing on the Hub")
-    hub.add_argument(
-        "--push-to-hub",
-        metavar="REPO",
-        default=None,
-        help="upload the finished output directory to this Hub model repository ('name' or 'namespace/name'; "
-        "created if needed); the output carries the remote code and a model card either way",
-    )
-    hub.add_argument("--private", action="store_true", help="create the repository private")
-    hub.add_argument("--token", default=None, help="Hub token (default: the saved login or $HF_TOKEN)")
-    hub.add_argument(
-        "--license",
-        default=default_license,
-        help=f"license in the model card's metadata (default: {default_license or 'none written'})",
-    )
 
 
 def write_shareable(directory: Path, config, name: str, repo_id: str | None = None, **card_kwargs) -> None:

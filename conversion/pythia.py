@@ -26,40 +26,20 @@ package is not installed; `--push-to-hub REPO` then uploads it:
 import argparse
 import math
 import re
-import shutil
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
-from modeling_dcformer.conversion.common import (
-    ShardWriter,
-    add_hub_arguments,
-    check_destination,
-    copy_tokenizer_files,
-    expected_shapes,
-    iter_shard,
-    output_directory,
-    parse_dtype,
-    parse_size,
-    push_output,
-    read_config,
-    read_json,
-    resolve_source,
-    shard_keys,
-    source_provenance,
-    weight_files,
-    write_shareable,
-)
-from modeling_dcformer.checkpoints.fingerprint import checkpoint_fingerprint
-from modeling_dcformer.publishing import HubUploadError, check_repo_id
+from modeling_dcformer.conversion.converter import HUB, ConversionOptions, Converter, UnknownTensor, flag
 from modeling_dcformer.modeling_dcformer import DynamicWeightProjection
 
-logger = logging.get_logger("dcformer.pythia_to_dcpythia")
+logger = logging.get_logger(__name__)
 
 DEFAULT_INIT_SCALE = 0.02
 DEFAULT_TOLERANCE = 1e-4
@@ -199,18 +179,12 @@ def read_gpt_neox_config(raw: dict, src: str):
 
 
 def dcpythia_config(
-    source,
-    qk_norm: bool = False,
-    window_size: int | None = None,
-    window_type: str | None = None,
-    **provenance,
+    source, qk_norm: bool = False, window_size: int | None = None, window_type: str | None = None
 ) -> DCFormerConfig:
     """Our config for a GPT-NeoX one: same body (LayerNorm, GELU-family MLP with biases, residual layout, rotary
     fraction and base, vocabulary, positions), DCMHA on, qk-norm off and every layer global by default."""
     if source.hidden_act not in ACT2FN:
         raise ValueError(f"hidden_act {source.hidden_act!r} of the source is not an activation transformers knows")
-    if window_type is not None and window_size is None:
-        raise ValueError("--window-type needs --window-size (without a window every layer is global)")
     for name in ("attention_dropout", "hidden_dropout"):
         if getattr(source, name, 0):
             logger.warning(f"the source's {name}={getattr(source, name)} is dropped: DCFormer has no dropout")
@@ -240,7 +214,6 @@ def dcpythia_config(
             use_qk_norm=qk_norm,
             window_size=window_size,
             window_type=window_type,
-            **provenance,
         )
     except (TypeError, ValueError) as err:
         raise ValueError(f"cannot express this GPT-NeoX model as a DCPythia one: {err}") from err
@@ -259,7 +232,7 @@ def target_key(source_key: str) -> tuple[str | None, bool]:
     if match and match.group(2) in PER_LAYER:
         layer, rest = match.groups()
         return f"model.layers.{layer}.{PER_LAYER[rest]}", rest.startswith("attention.query_key_value.")
-    raise ValueError(f"{source_key!r} is not a tensor of a GPT-NeoX causal LM")
+    raise UnknownTensor(f"{source_key!r} is not a tensor of a GPT-NeoX causal LM")
 
 
 def regroup_qkv(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -285,26 +258,6 @@ def new_layer_tensors(
         tensors[f"{prefix}.q_norm.weight"] = torch.ones(config.head_dim, dtype=dtype)
         tensors[f"{prefix}.k_norm.weight"] = torch.ones(config.head_dim, dtype=dtype)
     return tensors
-
-
-def count_tensors(files: list[Path]) -> int | None:
-    """How many tensors the checkpoint holds (for the progress bar), when cheap to know."""
-    index = sorted(files[0].parent.glob("*.index.json")) if files else []
-    if index:
-        return len(read_json(index[0]).get("weight_map") or {}) or None
-    if all(f.suffix == ".safetensors" for f in files):
-        return sum(len(shard_keys(f)) for f in files)
-    return None
-
-
-def cast_checkpoint(src: Path, dst: Path, dtype: torch.dtype, max_shard_size: int) -> list[str]:
-    """Write the weights of the checkpoint directory `src` into `dst`, cast to `dtype`, in shards of at most
-    `max_shard_size` bytes (one tensor and one output shard in memory at a time). Returns the weight file names."""
-    writer = ShardWriter(dst, max_shard_size)
-    for file in weight_files(src):
-        for key, tensor in iter_shard(file):
-            writer.add(key, tensor.to(dtype))
-    return writer.finish()
 
 
 def source_parameter_count(shapes: dict[str, tuple[int, ...]]) -> int:
@@ -374,252 +327,189 @@ def max_logit_difference(src_dir: Path, converted_dir: Path, config: DCFormerCon
 # ----------------------------------------------------------------------------------------------------------------
 # Conversion
 # ----------------------------------------------------------------------------------------------------------------
-def convert(
-    src: str,
-    dst: str,
-    overwrite: bool = False,
-    max_shard_size: str | int = "5GB",
-    dtype: str | None = None,
-    revision: str | None = None,
-    init_scale: float = DEFAULT_INIT_SCALE,
-    seed: int = 0,
-    qk_norm: bool = False,
-    window_size: int | None = None,
-    window_type: str | None = None,
-    verify: bool | None = None,
-    tolerance: float = DEFAULT_TOLERANCE,
-    push_to_hub: str | None = None,
-    private: bool = False,
-    token: str | None = None,
-    license: str | None = "apache-2.0",
-) -> Path:
-    """Convert `src` (local directory or Hub id of a GPT-NeoX causal LM) into a DCPythia checkpoint at `dst`.
-    `verify=None` verifies checkpoints up to `VERIFY_DEFAULT_MAX_PARAMS` parameters. Raises ValueError (or
-    OSError) with a readable message on any problem; `dst` is then left untouched. `dst` also gets the remote code
-    and a model card (`license`); `push_to_hub` (a repository id) uploads it once complete (`private`, `token`)."""
-    if push_to_hub is not None:
-        check_repo_id(push_to_hub)
-    if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
-        raise ValueError(f"--init-scale must be a positive number, got {init_scale!r}")
-    if not (isinstance(tolerance, (int, float)) and tolerance >= 0):  # NaN too: no difference would fail it
-        raise ValueError(f"--tolerance must be a number >= 0, got {tolerance!r}")
-    exact = not qk_norm and window_size is None
-    is_local = Path(src).is_dir()
-    if is_local and revision is not None:
-        raise ValueError(f"--revision applies to Hub ids only; {src} is a local directory")
-    check_destination(dst, overwrite)  # refused before a download or any work
-    src_dir = resolve_source(src, revision)
-    source_config = read_gpt_neox_config(read_config(src_dir), src)
-    provenance = dict(
-        **source_provenance(src, src_dir, revision),
-        converted_from_model_type="gpt_neox",
-        conversion={
-            "tool": "dcformer-convert-pythia",
-            "dynamic_weights_init": "exact (active/dormant halves, dd = 0)",
-            "init_scale": init_scale,
-            "seed": seed,
-            "exact": exact,
-        },
+RELEASED = "released architecture (changes the function: not Pythia's any more)"  # a --help section
+
+
+@dataclass
+class PythiaOptions(ConversionOptions):
+    """`dcformer-convert-pythia`'s options: the common ones, the initialisation of the new weights, the
+    verification, and the released architecture's changes."""
+
+    license: str | None = flag(
+        "apache-2.0", "--license", group=HUB, help="license in the model card's metadata (default: apache-2.0)"
     )
-    config = dcpythia_config(source_config, qk_norm, window_size, window_type, **provenance)
-    shapes = expected_shapes(config)
-    target_dtype = parse_dtype(dtype)
-    files = weight_files(src_dir)
-    dst_path = Path(dst)
-    if not exact:
-        changed = " and ".join(
-            name for name, on in (("--qk-norm", qk_norm), (f"--window-size {window_size}", window_size)) if on
-        )
-        print(
-            f"warning: {changed} give the released DCPythia architecture: the converted model no longer computes "
-            f"{src}'s function (its logits will differ; the measured difference is reported below)",
-            file=sys.stderr,
-        )
-    source_params = source_parameter_count(shapes)
-    if verify is None:
-        verify = source_params <= VERIFY_DEFAULT_MAX_PARAMS
-        if not verify:
-            print(
-                f"verify: skipped by default for {source_params / 1e9:.2f}B parameters (more than "
-                f"{VERIFY_DEFAULT_MAX_PARAMS / 1e9:.1f}B); pass --verify to run it (one fp32 model in memory "
-                "at a time)",
-                file=sys.stderr,
-            )
-    # The conversion is exact before any rounding: with --dtype bf16/fp16, verify the uncast weights (written to a
-    # subdirectory), then cast them into the output. Rounding changes the logits and is not what the check is about.
-    cast_after_verify = verify and target_dtype not in (None, torch.float32)
-    compared = "fp32"
-    if cast_after_verify:
-        compared = f"fp32, before casting to {str(target_dtype).removeprefix('torch.')}"
-
-    with output_directory(dst_path, overwrite, source=src_dir) as tmp:
-        out = tmp / "uncast" if cast_after_verify else tmp
-        out.mkdir(exist_ok=True)
-        write_dtype = None if cast_after_verify else target_dtype
-        writer = ShardWriter(out, parse_size(max_shard_size))
-        written: dict[str, torch.dtype] = {}
-        layer_dtypes: dict[int, torch.dtype] = {}
-        num_params = 0
-
-        def put(key: str, tensor: torch.Tensor, source_key: str) -> None:
-            if key not in shapes:
-                raise ValueError(f"{source_key}: the model has no tensor {key!r} for it (config mismatch?)")
-            if tuple(tensor.shape) != shapes[key]:
-                raise ValueError(
-                    f"{source_key} -> {key}: checkpoint shape {tuple(tensor.shape)} vs model shape {shapes[key]}"
-                )
-            if key in written:
-                raise ValueError(f"{source_key}: {key} appears twice in the checkpoint")
-            written[key] = tensor.dtype
-            writer.add(key, tensor if write_dtype is None else tensor.to(write_dtype))
-
-        with tqdm(total=count_tensors(files), desc="Converting", unit="tensor") as bar:
-            for file in files:
-                for source_key, tensor in iter_shard(file):
-                    bar.update(1)
-                    try:
-                        key, fused = target_key(source_key)
-                    except ValueError as err:
-                        raise ValueError(f"{file.name}: {err}") from None
-                    if key is None:
-                        continue
-                    if key == "lm_head.weight" and config.tie_word_embeddings:
-                        continue  # tied to the input embedding: not stored
-                    num_params += tensor.numel()
-                    if fused:
-                        tensor = regroup_qkv(tensor, config.num_attention_heads)
-                        if key.endswith(".weight"):
-                            layer_dtypes[int(key.split(".")[2])] = tensor.dtype
-                    put(key, tensor, source_key)
-
-        generator = torch.Generator().manual_seed(seed)
-        default_dtype = max(set(written.values()) or {torch.float32}, key=lambda d: torch.finfo(d).bits)
-        for layer in range(config.num_hidden_layers):
-            # The new tensors are drawn in fp32 and cast once, straight to their final dtype (also when staged).
-            new_dtype = target_dtype or layer_dtypes.get(layer, default_dtype)
-            for key, tensor in new_layer_tensors(config, layer, new_dtype, init_scale, generator).items():
-                put(key, tensor, "(new)")
-        missing = sorted(set(shapes) - set(written))
-        if missing:
-            raise ValueError(f"the checkpoint lacks tensors a GPT-NeoX causal LM needs: {missing}")
-        writer.finish()
-        saved_dtypes = {write_dtype} if write_dtype is not None else set(written.values())
-        config.dtype = max(saved_dtypes, key=lambda d: torch.finfo(d).bits)
-        config.architectures = ["DCFormerForCausalLM"]
-        config.save_pretrained(out)
-
-        if verify:
-            diff, count, how = max_logit_difference(src_dir, out, config)
-            config.conversion = {**config.conversion, "max_logit_difference": diff, "verified_in": compared}
-            if exact:
-                passed = diff <= tolerance  # False for a NaN difference: a failure, never a pass
-                verdict = "OK" if passed else "FAILED"
-                print(
-                    f"verify: max |logit difference| ({compared}) on {count} sequences ({how}) = {diff:.3e} "
-                    f"(bound {tolerance:.0e}): {verdict}"
-                )
-                if not passed:
-                    raise VerificationError(
-                        f"the converted model's logits differ from {src}'s by {diff:.3e} > {tolerance:.0e}; "
-                        f"nothing was written to {dst_path}"
-                    )
-            else:
-                print(
-                    f"warning: max |logit difference| ({compared}) from {src} on {count} sequences ({how}) = "
-                    f"{diff:.3e} (expected: the function is no longer the source's; no bound applied)",
-                    file=sys.stderr,
-                )
-        elif not exact:
-            print("warning: the logit difference was not measured (verification off); pass --verify", file=sys.stderr)
-
-        if cast_after_verify:
-            cast_checkpoint(out, tmp, target_dtype, parse_size(max_shard_size))
-            shutil.rmtree(out)
-            config.dtype = target_dtype
-            config.save_pretrained(tmp)
-            rounded = max_logit_difference(src_dir, tmp, config)[0]
-            config.conversion = {**config.conversion, "max_logit_difference_after_cast": rounded}
-            name = str(target_dtype).removeprefix("torch.")
-            print(
-                f"verify: after casting to {name}: max |logit difference| = {rounded:.3e} (the {name} rounding of "
-                "the weights, run in fp32; for information, not checked)"
-            )
-        # What the card needs to stay true after fine-tuning: which weights computed the source's function.
-        config.conversion = {**config.conversion, "weights": checkpoint_fingerprint(tmp, config)}
-        config.save_pretrained(tmp)
-        copied = copy_tokenizer_files(src_dir, tmp)
-        logger.info(f"copied tokenizer files: {copied}")
-        write_shareable(tmp, config, dst_path.name, repo_id=push_to_hub, license=license)
-    print(f"Converted {src} -> {dst_path} ({len(written)} tensors, {num_params / 1e6:.1f}M source parameters)")
-    if push_to_hub is not None:
-        push_output(dst_path, push_to_hub, private, token, message=f"Convert {src} to DCPythia")
-    return dst_path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src", help="GPT-NeoX checkpoint: local directory or Hub id (e.g. EleutherAI/pythia-410m)")
-    parser.add_argument("dst", help="output directory (must be empty or absent unless --overwrite)")
-    parser.add_argument("--revision", default=None, help="Hub revision of SRC (e.g. step100000)")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty destination (swapped in once the new output is complete: a crash at any moment "
-        "leaves one complete copy; see docs/guarantees.md)",
-    )
-    parser.add_argument("--dtype", default=None, help="cast to float32/float16/bfloat16 (default: keep the source's)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
-    parser.add_argument(
+    init_scale: float = flag(
+        DEFAULT_INIT_SCALE,
         "--init-scale",
         type=float,
-        default=DEFAULT_INIT_SCALE,
         help=f"std of the random halves of the dynamic weights (default {DEFAULT_INIT_SCALE}); the function is "
         "exact whatever the scale",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the dynamic-weight init (default 0)")
-    parser.add_argument(
+    seed: int = flag(0, "--seed", type=int, help="seed of the dynamic-weight init (default 0)")
+    verify: bool | None = flag(
+        None,
         "--verify",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="compare both models' fp32 logits on a few sentences, before any --dtype cast (default: on up to 1.1B "
         "parameters)",
     )
-    parser.add_argument(
-        "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="largest allowed |logit difference| (1e-4)"
+    tolerance: float = flag(
+        DEFAULT_TOLERANCE, "--tolerance", type=float, help="largest allowed |logit difference| (1e-4)"
     )
-    released = parser.add_argument_group("released architecture (changes the function: not Pythia's any more)")
-    released.add_argument("--qk-norm", action="store_true", help="add qk-norm (scales start at 1)")
-    released.add_argument("--window-size", type=int, default=None, help="local attention window (e.g. 256)")
-    released.add_argument("--window-type", default=None, help="local/global pattern: LG (default), LGLL, LGL6, ...")
-    add_hub_arguments(parser, default_license="apache-2.0")  # Pythia's license
-    args = parser.parse_args(argv)
-    try:
-        convert(
-            args.src,
-            args.dst,
-            overwrite=args.overwrite,
-            max_shard_size=args.max_shard_size,
-            dtype=args.dtype,
-            revision=args.revision,
-            init_scale=args.init_scale,
-            seed=args.seed,
-            qk_norm=args.qk_norm,
-            window_size=args.window_size,
-            window_type=args.window_type,
-            verify=args.verify,
-            tolerance=args.tolerance,
-            push_to_hub=args.push_to_hub,
-            private=args.private,
-            token=args.token,
-            license=args.license,
+    qk_norm: bool = flag(
+        False, "--qk-norm", group=RELEASED, action="store_true", help="add qk-norm (scales start at 1)"
+    )
+    window_size: int | None = flag(
+        None, "--window-size", group=RELEASED, type=int, help="local attention window (e.g. 256)"
+    )
+    window_type: str | None = flag(
+        None, "--window-type", group=RELEASED, help="local/global pattern: LG (default), LGLL, LGL6, ..."
+    )
+
+
+class PythiaConverter(Converter):
+    """GPT-NeoX -> DCPythia: the same tensors (the fused q/k/v regrouped), plus the dynamic-weight projections
+    initialised exactly (and the qk-norm scales with --qk-norm); verified against the source's logits."""
+
+    tool = "dcformer-convert-pythia"
+    options_class = PythiaOptions
+    source_help = "GPT-NeoX checkpoint: local directory or Hub id (e.g. EleutherAI/pythia-410m)"
+    source_model = "a GPT-NeoX causal LM"
+    push_message = "Convert {src} to DCPythia"
+
+    def __init__(self, src: str, dst: str, options: PythiaOptions):
+        super().__init__(src, dst, options)
+        self.exact = not options.qk_norm and options.window_size is None
+        self.num_params = 0
+        self.layer_dtypes: dict[int, torch.dtype] = {}
+
+    def check_options(self) -> None:
+        o = self.options
+        if not (isinstance(o.init_scale, (int, float)) and math.isfinite(o.init_scale) and o.init_scale > 0):
+            raise ValueError(f"--init-scale must be a positive number, got {o.init_scale!r}")
+        if not (isinstance(o.tolerance, (int, float)) and o.tolerance >= 0):  # NaN too: no difference would fail it
+            raise ValueError(f"--tolerance must be a number >= 0, got {o.tolerance!r}")
+        if o.window_type is not None and o.window_size is None:
+            raise ValueError("--window-type needs --window-size (without a window every layer is global)")
+
+    def make_config(self, raw: dict) -> DCFormerConfig:
+        o = self.options
+        config = dcpythia_config(read_gpt_neox_config(raw, self.src), o.qk_norm, o.window_size, o.window_type)
+        config.converted_from_model_type = "gpt_neox"
+        return config
+
+    def conversion_record(self) -> dict:
+        return {
+            "dynamic_weights_init": "exact (active/dormant halves, dd = 0)",
+            "init_scale": self.options.init_scale,
+            "seed": self.options.seed,
+            "exact": self.exact,
+        }
+
+    def map_tensor(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        ours, fused = target_key(key)
+        if ours is None or (ours == "lm_head.weight" and self.config.tie_word_embeddings):
+            return []  # a recomputed buffer, or the head tied to the input embedding (not stored)
+        self.num_params += tensor.numel()
+        if fused:
+            tensor = regroup_qkv(tensor, self.config.num_attention_heads)
+            if ours.endswith(".weight"):
+                self.layer_dtypes[int(ours.split(".")[2])] = tensor.dtype
+        return [(ours, tensor)]
+
+    def added_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each layer's dynamic-weight projection (and qk-norm scales), drawn in fp32 and cast once, straight to
+        their final dtype (also when the weights are verified before a cast): `--dtype`, else their layer's."""
+        generator = torch.Generator().manual_seed(self.options.seed)
+        default_dtype = max(set(self.written.values()) or {torch.float32}, key=lambda d: torch.finfo(d).bits)
+        for layer in range(self.config.num_hidden_layers):
+            dtype = self.dtype or self.layer_dtypes.get(layer, default_dtype)
+            yield from new_layer_tensors(self.config, layer, dtype, self.options.init_scale, generator).items()
+
+    def warn_function_changes(self) -> None:
+        options, changed = self.options, []
+        if options.qk_norm:
+            changed.append("--qk-norm")
+        if options.window_size is not None:
+            changed.append(f"--window-size {options.window_size}")
+        logger.warning(
+            f"{' and '.join(changed)} give the released DCPythia architecture: the converted model no longer computes "
+            f"{self.src}'s function (its logits will differ; the measured difference is reported below)"
         )
-    except HubUploadError as err:  # the output is complete: one line with the command that retries the upload
-        print(f"error: {err}", file=sys.stderr)
-        return 3
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    def will_verify(self) -> bool:
+        """--verify / --no-verify, by default on up to `VERIFY_DEFAULT_MAX_PARAMS` source parameters; a conversion
+        that changes the function says so first."""
+        options = self.options
+        if not self.exact:
+            self.warn_function_changes()
+        verify = options.verify
+        if verify is None:
+            source_params = source_parameter_count(self.shapes)
+            verify = source_params <= VERIFY_DEFAULT_MAX_PARAMS
+            if not verify:
+                logger.warning(
+                    f"verify: skipped by default for {source_params / 1e9:.2f}B parameters (more than "
+                    f"{VERIFY_DEFAULT_MAX_PARAMS / 1e9:.1f}B); pass --verify to run it (one fp32 model in memory "
+                    "at a time)"
+                )
+        if not verify and not self.exact:
+            logger.warning("the logit difference was not measured (verification off); pass --verify")
+        return verify
+
+    def verify(self, directory: Path, cast_to: torch.dtype | None) -> None:
+        """The fp32 logits of the converted model against the source's: within --tolerance for an exact
+        conversion (else a VerificationError), measured and reported otherwise."""
+        compared = "fp32" if cast_to is None else f"fp32, before casting to {dtype_name(cast_to)}"
+        diff, count, how = max_logit_difference(self.src_dir, directory, self.config)
+        self.config.conversion = {**self.config.conversion, "max_logit_difference": diff, "verified_in": compared}
+        if not self.exact:
+            logger.warning(
+                f"max |logit difference| ({compared}) from {self.src} on {count} sequences ({how}) = {diff:.3e} "
+                "(expected: the function is no longer the source's; no bound applied)"
+            )
+            return
+        tolerance = self.options.tolerance
+        passed = diff <= tolerance  # False for a NaN difference: a failure, never a pass
+        verdict = "OK" if passed else "FAILED"
+        print(
+            f"verify: max |logit difference| ({compared}) on {count} sequences ({how}) = {diff:.3e} "
+            f"(bound {tolerance:.0e}): {verdict}"
+        )
+        if not passed:
+            raise VerificationError(
+                f"the converted model's logits differ from {self.src}'s by {diff:.3e} > {tolerance:.0e}; "
+                f"nothing was written to {self.dst}"
+            )
+
+    def verify_cast(self, directory: Path) -> None:
+        rounded = max_logit_difference(self.src_dir, directory, self.config)[0]
+        self.config.conversion = {**self.config.conversion, "max_logit_difference_after_cast": rounded}
+        name = dtype_name(self.config.dtype)
+        print(
+            f"verify: after casting to {name}: max |logit difference| = {rounded:.3e} (the {name} rounding of "
+            "the weights, run in fp32; for information, not checked)"
+        )
+
+    def summary(self) -> str:
+        return f"{len(self.written)} tensors, {self.num_params / 1e6:.1f}M source parameters"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def convert(src: str, dst: str, **options) -> Path:
+    """Convert `src` (local directory or Hub id of a GPT-NeoX causal LM) into a DCPythia checkpoint at `dst`, with
+    `options` the fields of `PythiaOptions` (`verify=None`: verify checkpoints up to `VERIFY_DEFAULT_MAX_PARAMS`
+    parameters). Raises ValueError (or OSError) with a readable message on any problem; `dst` is then left as it
+    was. `dst` also gets the remote code and a model card (`license`); `push_to_hub` (a repository id) uploads it
+    once complete (`private`, `token`)."""
+    return PythiaConverter.convert(src, dst, **options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return PythiaConverter.main(argv, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -12,38 +12,16 @@ It streams: one source shard and one output shard are in memory at a time, so a 
 within a few GB. The destination appears only once complete (written beside it, then renamed).
 """
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
-from transformers.utils import logging
 
 from modeling_dcformer import DCFormerConfig
-from modeling_dcformer.conversion.common import (
-    ShardWriter,
-    add_hub_arguments,
-    check_destination,
-    copy_tokenizer_files,
-    expected_shapes,
-    iter_shard,
-    output_directory,
-    parse_dtype,
-    parse_size,
-    push_output,
-    read_config,
-    resolve_source,
-    source_provenance,
-    weight_files,
-    write_shareable,
-)
-from modeling_dcformer.checkpoints.fingerprint import checkpoint_fingerprint
-from modeling_dcformer.publishing import HubUploadError, check_repo_id
 from modeling_dcformer.checkpoints.released_format import SPLIT_QKV, is_released_config, native_key, query_wise_slots
+from modeling_dcformer.conversion.converter import Converter, UnknownTensor
 
-logger = logging.get_logger("dcformer.caiyun_to_hf")
 IDENTITY_BUFFERS = re.compile(r"dyn_w_proj\.(pre_proj|post_proj)\.w$")
 
 
@@ -60,135 +38,81 @@ def check_identity_buffer(key: str, tensor: torch.Tensor) -> None:
         )
 
 
-def convert(
-    src: str,
-    dst: str,
-    overwrite: bool = False,
-    max_shard_size: str | int = "5GB",
-    dtype: str | None = None,
-    revision: str | None = None,
-    push_to_hub: str | None = None,
-    private: bool = False,
-    token: str | None = None,
-    license: str | None = None,
-) -> Path:
-    """Convert `src` into our layout at `dst` (with the remote code and a model card, `license` in its metadata);
-    `push_to_hub` (a repository id) uploads `dst` once complete (`private`, `token`)."""
-    if push_to_hub is not None:
-        check_repo_id(push_to_hub)
-    check_destination(dst, overwrite)  # refused before a download or any work
-    src_dir = resolve_source(src, revision)
-    raw_config = read_config(src_dir)
-    if not is_released_config(raw_config):
-        raise ValueError(
-            f"{src}: config.json is not in the released DCFormer layout (keys dim, n_layer, n_head); "
-            "a checkpoint already in our layout loads with from_pretrained as it is"
-        )
-    config = DCFormerConfig.from_dict(raw_config)
-    for key, value in source_provenance(src, src_dir, revision).items():
-        setattr(config, key, value)
-    shapes = expected_shapes(config)
-    target_dtype = parse_dtype(dtype)
-    files = weight_files(src_dir)
-    dst_path = Path(dst)
+def fuse_qkv(parts: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """Split q, k and v projections (`wq`, `wk`, `wv`) as our fused one, or a one-line error naming `key`."""
+    try:
+        return torch.cat([parts["wq"], parts["wk"], parts["wv"]], dim=0)
+    except RuntimeError as err:  # their other dimensions differ
+        shapes = {name: tuple(tensor.shape) for name, tensor in sorted(parts.items())}
+        raise ValueError(f"{key}: the split q/k/v projections do not fit together: {shapes}") from err
 
-    with output_directory(dst_path, overwrite, source=src_dir) as tmp:
-        writer = ShardWriter(tmp, parse_size(max_shard_size))
-        written: dict[str, torch.dtype] = {}
-        split_parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
 
-        def put(key: str, tensor: torch.Tensor, source_key: str) -> None:
-            if key not in shapes:
-                raise ValueError(f"{source_key}: the model has no tensor {key!r} for it (config mismatch?)")
-            if tuple(tensor.shape) != shapes[key]:
-                raise ValueError(
-                    f"{source_key} -> {key}: checkpoint shape {tuple(tensor.shape)} vs model shape {shapes[key]}"
-                )
-            if key in written:
-                raise ValueError(f"{source_key}: {key} appears twice in the checkpoint")
-            written[key] = tensor.dtype
-            writer.add(key, tensor if target_dtype is None else tensor.to(target_dtype))
+class ReleasedConverter(Converter):
+    """The released layout -> ours: the config translated, the tensors renamed (split q/k/v fused, query-wise slots
+    laid out as ours), the derived ones (merged copies, cache buffers) dropped and the static composition weights
+    checked to be the identity."""
 
-        for file in tqdm(files, desc="Converting shards", unit="shard"):
-            for source_key, tensor in iter_shard(file):
-                if IDENTITY_BUFFERS.search(source_key):
-                    check_identity_buffer(source_key, tensor)
-                    continue
-                try:
-                    key = native_key(source_key, config.use_gated_mlp)
-                except KeyError:
-                    raise ValueError(f"{file.name}: {source_key!r} is not a key of the released layout") from None
-                if key is None:
-                    continue  # derived tensor (merged copies, cache buffers): recomputed, never trusted
-                split = SPLIT_QKV.match(source_key)
-                if split is None:
-                    if config.query_wise:
-                        tensor = query_wise_slots(key, tensor, config.heads_per_group)
-                    put(key, tensor, source_key)
-                    continue
-                layer, part, kind = split.groups()
-                parts = split_parts.setdefault((layer, kind), {})
-                parts[part] = tensor
-                if len(parts) == 3:
-                    fused = torch.cat([parts["wq"], parts["wk"], parts["wv"]], dim=0)
-                    put(f"model.layers.{layer}.self_attn.qkv_proj.{kind}", fused, source_key)
-                    del split_parts[(layer, kind)]
-        if split_parts:
-            incomplete = {f"layers.{layer}.attention.*.{kind}": sorted(p) for (layer, kind), p in split_parts.items()}
+    tool = "dcformer-convert-released"
+    source_help = "released checkpoint: local directory or Hub id (e.g. Caiyun-AI/DCPythia-6.9B)"
+    push_message = "Re-save {src} in the native DCFormer layout"
+
+    def __init__(self, src: str, dst: str, options):
+        super().__init__(src, dst, options)
+        self.split_parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+
+    def make_config(self, raw: dict) -> DCFormerConfig:
+        if not is_released_config(raw):
+            raise ValueError(
+                f"{self.src}: config.json is not in the released DCFormer layout (keys dim, n_layer, n_head); "
+                "a checkpoint already in our layout loads with from_pretrained as it is"
+            )
+        return DCFormerConfig.from_dict(raw)
+
+    def map_tensor(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if IDENTITY_BUFFERS.search(key):
+            check_identity_buffer(key, tensor)
+            return []
+        try:
+            ours = native_key(key, self.config.use_gated_mlp)
+        except KeyError:
+            raise UnknownTensor(f"{key!r} is not a key of the released layout") from None
+        if ours is None:
+            return []  # derived tensor (merged copies, cache buffers): recomputed, never trusted
+        split = SPLIT_QKV.match(key)
+        if split is None:
+            if self.config.query_wise:
+                tensor = query_wise_slots(ours, tensor, self.config.heads_per_group)
+            return [(ours, tensor)]
+        layer, part, kind = split.groups()
+        parts = self.split_parts.setdefault((layer, kind), {})
+        parts[part] = tensor
+        if len(parts) < 3:
+            return []  # held until its companions arrive
+        del self.split_parts[(layer, kind)]
+        return [(f"model.layers.{layer}.self_attn.qkv_proj.{kind}", fuse_qkv(parts, key))]
+
+    def added_tensors(self) -> list:
+        """None: a release holds every tensor. Split q/k/v projections still held are an incomplete source."""
+        if self.split_parts:
+            incomplete = {
+                f"layers.{layer}.attention.*.{kind}": sorted(parts) for (layer, kind), parts in self.split_parts.items()
+            }
             raise ValueError(f"split q/k/v projections are incomplete (found only): {incomplete}")
-        missing = sorted(set(shapes) - set(written))
-        if missing:
-            raise ValueError(f"the checkpoint lacks tensors the model needs: {missing}")
-        writer.finish()
-        saved_dtypes = {target_dtype} if target_dtype is not None else set(written.values())
-        config.dtype = max(saved_dtypes, key=lambda d: torch.finfo(d).bits) if saved_dtypes else None
-        config.architectures = ["DCFormerForCausalLM"]
-        config.conversion = {"tool": "dcformer-convert-released", "weights": checkpoint_fingerprint(tmp, config)}
-        config.save_pretrained(tmp)
-        copied = copy_tokenizer_files(src_dir, tmp)
-        logger.info(f"copied tokenizer files: {copied}")
-        write_shareable(tmp, config, dst_path.name, repo_id=push_to_hub, license=license)
-    print(f"Converted {src} -> {dst_path} ({len(written)} tensors, {len(files)} source file(s))")
-    if push_to_hub is not None:
-        push_output(dst_path, push_to_hub, private, token, message=f"Re-save {src} in the native DCFormer layout")
-    return dst_path
+        return []
+
+    def summary(self) -> str:
+        return f"{len(self.written)} tensors, {len(self.files)} source file(s)"
+
+
+def convert(src: str, dst: str, **options) -> Path:
+    """Convert `src` into our layout at `dst` (with the remote code and a model card, `license` in its metadata),
+    with `options` the fields of `ConversionOptions`; `push_to_hub` (a repository id) uploads `dst` once complete
+    (`private`, `token`)."""
+    return ReleasedConverter.convert(src, dst, **options)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src", help="released checkpoint: local directory or Hub id (e.g. Caiyun-AI/DCPythia-6.9B)")
-    parser.add_argument("dst", help="output directory (must be empty or absent unless --overwrite)")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty destination (swapped in once the new output is complete: a crash at any moment "
-        "leaves one complete copy; see docs/guarantees.md)",
-    )
-    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
-    parser.add_argument("--dtype", default=None, help="cast to float32/float16/bfloat16 (default: keep)")
-    parser.add_argument("--revision", default=None, help="Hub revision of SRC")
-    add_hub_arguments(parser, default_license=None)  # the release's own: pass it (see the source's model card)
-    args = parser.parse_args(argv)
-    try:
-        convert(
-            args.src,
-            args.dst,
-            args.overwrite,
-            args.max_shard_size,
-            args.dtype,
-            args.revision,
-            push_to_hub=args.push_to_hub,
-            private=args.private,
-            token=args.token,
-            license=args.license,
-        )
-    except HubUploadError as err:  # the output is complete: one line with the command that retries the upload
-        print(f"error: {err}", file=sys.stderr)
-        return 3
-    except Exception as err:  # a clear one-line error (bad input, corrupt shard) rather than a traceback
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return ReleasedConverter.main(argv, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,9 @@ Writes into `--out` (default `compare_out/`): `results.md` (tables), `results.js
 every run), `curves.png` (validation curves, mean over seeds with the min-max band), `dyn_norms.png` (the dynamic
 terms over training); with `--sizes`, one folder per size and `scaling.md`, `scaling.json`, `scaling.png`.
 
-The code is in the package: `dcformer_research.compare` (this command line), `.ablation` (the models
-and ablation variants), `.runner` (one training run and the data), `.report` (statistics, tables, plots).
+The code is the research distribution in research/ (`pip install -e research`, which `make install` does):
+`dcformer_research.compare` (this command line), `.ablation` (the models and ablation variants), `.runner` (one
+training run and the data), `.report` (statistics, tables, plots).
 """
 
 from dcformer_research.compare import main

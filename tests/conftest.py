@@ -9,14 +9,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter: it is read when the kernels are defined, so
-# before the package is imported (test_triton_kernel.py).
+# before the package is imported (test_dcmha_triton.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import modeling_dcformer  # noqa: E402,F401  (registers model_type "dcformer" with the Auto classes)
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM  # noqa: E402
 
-# The CPU kernel built with extra compiler flags (before anything loads it): test_cpu_kernel.py's
+# The CPU kernel built with extra compiler flags (before anything loads it): test_dcmha_cpu.py's
 # test_the_8_wide_build_matches_the_oracle_too runs the oracle tests with "-mno-avx512f" on an AVX-512 CPU, so that
 # the AVX2 CPUs' build is tested on the machines whose native build is the AVX-512 one.
 if os.environ.get("DCFORMER_TEST_KERNEL_CFLAGS"):

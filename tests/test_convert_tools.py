@@ -1,7 +1,9 @@
-"""The converters as tools (issues 27, 28 and 30): they run as files as well as through their console scripts; they
-record a provenance a reader can use (never an absolute local path) and the fingerprint of the weights they wrote;
-they write through a symbolically linked destination; they refuse, before any work, a destination that cannot be
-replaced safely; and every bad input or failed write is one line naming the file, with nothing half-written left.
+"""The converters as tools: they run as files as well as through their console scripts; they record a provenance a
+reader can use (never an absolute local path) and the fingerprint of the weights they wrote; they write through a
+symbolically linked destination; they refuse, before any work, a destination that cannot be replaced safely; and
+every bad input or failed write is one line naming the file, with nothing half-written left. Both are the one
+skeleton (`modeling_dcformer.conversion.converter`) filled in: a converter made of its two required hooks gets all of
+the above.
 
 Every checkpoint is built here (tiny GPT-NeoX and released-layout ones); nothing is downloaded.
 """
@@ -12,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,9 +24,10 @@ from safetensors import SafetensorError
 import modeling_dcformer  # noqa: F401  (registers the Auto classes)
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 from modeling_dcformer.conversion import common
+from modeling_dcformer.conversion.converter import ConversionOptions, Converter, UnknownTensor, flag
 from modeling_dcformer.conversion import released as released_converter
 from modeling_dcformer.conversion import pythia as p2d
-from helpers import help_options, in_process_help_options, save_tiny_neox
+from helpers import build_model, help_options, in_process_help_options, make_config, save_tiny_neox
 from released_checkpoint import released_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -395,3 +399,101 @@ def test_output_mode_follows_the_umask_and_an_existing_folders_mode(neox, tmp_pa
         assert dst.stat().st_mode & 0o7777 == 0o2775
     finally:
         os.umask(old_umask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The skeleton: a converter is its hooks
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class ResaveOptions(ConversionOptions):
+    strict: bool = flag(False, "--strict", action="store_true", help="refuse a source with extra tensors")
+
+
+class Resave(Converter):
+    """The smallest converter: our own layout re-saved, with only the required hooks (and one option of its own)."""
+
+    tool = "dcformer-convert-test"
+    options_class = ResaveOptions
+
+    def make_config(self, raw):
+        if raw.get("model_type") != "dcformer":
+            raise ValueError(f"{self.src}: model_type {raw.get('model_type')!r} is not 'dcformer'")
+        return DCFormerConfig.from_dict(raw)
+
+    def map_tensor(self, key, tensor):
+        if key.startswith("extra.") and self.options.strict:
+            raise UnknownTensor(f"{key!r} is not a tensor of this model")
+        return [] if key.startswith("extra.") else [(key, tensor)]
+
+
+@pytest.fixture
+def native(tmp_path):
+    """A saved DCFormer (our layout) and its model."""
+    model = build_model(make_config(num_hidden_layers=2))
+    model.save_pretrained(tmp_path / "native")
+    return tmp_path / "native", model
+
+
+def test_a_converter_is_its_hooks(native, tmp_path, capsys):
+    """Two hooks filled in: the command line (common flags and its own), the streamed and checked weights, the cast,
+    provenance, fingerprint, remote code and card, the one-line errors."""
+    from safetensors.torch import load_file, save_file
+
+    from modeling_dcformer.checkpoints.fingerprint import model_fingerprint
+
+    src, model = native
+    assert {"--overwrite", "--dtype", "--max-shard-size", "--revision", "--push-to-hub", "--private", "--token",
+            "--license", "--strict"} <= in_process_help_options(Resave.main, capsys)  # fmt: skip
+    dst = tmp_path / "out"
+    assert Resave.main([str(src), str(dst), "--dtype", "bf16"]) == 0, capsys.readouterr().err
+    assert f"Converted {src} -> {dst} (" in capsys.readouterr().out
+    resaved = DCFormerForCausalLM.from_pretrained(dst)
+    assert resaved.dtype == torch.bfloat16
+    assert (dst / "README.md").is_file() and (dst / "modeling_dcformer.py").is_file()
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(resaved.state_dict()[key], tensor.to(torch.bfloat16)), key
+    config = resaved.config
+    assert config.converted_from_folder == "native" and config.architectures == ["DCFormerForCausalLM"]
+    assert config.conversion == {"tool": "dcformer-convert-test", "weights": model_fingerprint(resaved)}
+
+    state = load_file(src / "model.safetensors")
+    save_file({**state, "extra.buffer": torch.ones(3)}, src / "model.safetensors", metadata={"format": "pt"})
+    assert Resave.main([str(src), str(tmp_path / "lenient")]) == 0  # dropped by `map_tensor`
+    for argv, needles in (
+        ([str(src), str(tmp_path / "x"), "--strict"], ["model.safetensors: 'extra.buffer' is not a tensor of this"]),
+        ([str(src), str(tmp_path / "x"), "--revision", "main"], ["--revision applies to Hub ids only"]),
+        ([str(src), str(tmp_path / "x"), "--max-shard-size", "lots"], ["cannot read the size 'lots'"]),
+    ):
+        capsys.readouterr()
+        assert Resave.main(argv) == 2
+        assert_one_line(capsys.readouterr().err, *needles)
+    save_file({k: v for k, v in state.items() if k != "model.norm.weight"}, src / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"lacks tensors the model needs: \['model\.norm\.weight'\]"):
+        Resave.convert(str(src), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists() and hidden(tmp_path) == []
+
+
+def test_a_tensor_written_twice_or_of_the_wrong_shape_is_refused(native, tmp_path):
+    src, _ = native
+
+    class Twice(Resave):
+        def map_tensor(self, key, tensor):
+            return [(key, tensor), (key, tensor)]
+
+    class Transposed(Resave):
+        def map_tensor(self, key, tensor):
+            return [(key, tensor.T if key == "model.embed_tokens.weight" else tensor)]
+
+    with pytest.raises(ValueError, match=r"appears twice in the checkpoint"):
+        Twice.convert(str(src), str(tmp_path / "x"))
+    with pytest.raises(ValueError, match=r"embed_tokens\.weight: checkpoint shape \(32, 64\) vs model shape \(64, "):
+        Transposed.convert(str(src), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists() and hidden(tmp_path) == []
+
+
+def test_released_revision_of_a_local_folder_is_refused(released, tmp_path, capsys):
+    """`--revision` names a revision on the Hub: with a local folder it would be ignored, so it is an error."""
+    code, err = run_main("released", [released, tmp_path / "out", "--revision", "main"], capsys)
+    assert code == 2
+    assert_one_line(err, "--revision applies to Hub ids only", str(released))

@@ -81,13 +81,15 @@ def neox(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tool", ["released", "pythia"])
 def test_second_conversion_into_the_same_destination_fails(tool, released, neox, tmp_path, monkeypatch):
+    from modeling_dcformer.conversion import converter as skeleton  # the pipeline both converters run
+
     src = released if tool == "released" else neox
     module = released_converter if tool == "released" else p2d
     run = (lambda s, d: module.convert(str(s), str(d))) if tool == "released" else (
         lambda s, d: module.convert(str(s), str(d), verify=False))
     dst = tmp_path / "out"
     other = []
-    real_shareable = module.write_shareable
+    real_shareable = skeleton.write_shareable
 
     def while_a_runs(directory, *args, **kwargs):  # conversion A is near its end: B starts into the same folder
         real_shareable(directory, *args, **kwargs)
@@ -98,7 +100,7 @@ def test_second_conversion_into_the_same_destination_fails(tool, released, neox,
             except FileExistsError as err:
                 other.append(str(err))
 
-    monkeypatch.setattr(module, "write_shareable", while_a_runs)
+    monkeypatch.setattr(skeleton, "write_shareable", while_a_runs)
     run(src, dst)  # A
     assert other and "another conversion" in other[0] and str(dst) in other[0], other
     assert (dst / "config.json").is_file() and (dst / "model.safetensors").is_file()

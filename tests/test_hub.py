@@ -523,8 +523,10 @@ def test_pythia_converter_pushes_the_finished_directory(fake_hub, tmp_path, caps
 
 def test_released_converter_pushes_with_base_model(fake_hub, tmp_path, capsys, monkeypatch):
     src, _, _ = released_dir(tmp_path, "released")
+    from modeling_dcformer.conversion import converter as skeleton  # the pipeline both converters run
+
     # as if SRC were the Hub id of the release: resolve_source returns its snapshot directory
-    monkeypatch.setattr(released_converter, "resolve_source", lambda name, revision=None: src)
+    monkeypatch.setattr(skeleton, "resolve_source", lambda name, revision=None: src)
     dst = tmp_path / "dcpythia-hf"
     argv = ["Caiyun-AI/DCPythia-tiny", str(dst), "--push-to-hub", "me/dcpythia-hf", "--license", "mit"]
     assert released_converter.main(argv) == 0, capsys.readouterr().err

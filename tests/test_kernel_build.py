@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
 # The build machinery (cache entry, lock, stamp, private folder, swap) does not depend on what it compiles: these
 # tests build a one-line stand-in source (about a second) instead of the kernel (about 30 s each, three times); the
-# kernel itself is built and checked by test_cpu_kernel.py.
+# kernel itself is built and checked by test_dcmha_cpu.py.
 STAND_IN = 'extern "C" int dcformer_build_probe() { return 42; }  // a stand-in for csrc/dcmha_cpu.cpp\n'
 
 BUILD_AND_LOAD = textwrap.dedent(

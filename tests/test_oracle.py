@@ -168,9 +168,9 @@ WINDOW_MODES = {
 @pytest.mark.parametrize("window_mode", list(WINDOW_MODES))
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups, rank, chunk, implementation):
-    """Every layer's attention output (inference: "cpu" is the C kernel of tests/test_cpu_kernel.py, where a C
+    """Every layer's attention output (inference: "cpu" is the C kernel of tests/test_dcmha_cpu.py, where a C
     compiler is found)."""
-    if implementation == "cpu" and not dcmha_cpu.available():
+    if implementation == "cpu" and not dcmha_cpu.ensure_built():
         pytest.skip("no C compiler for the CPU kernel")
     window_size, window_type = WINDOW_MODES[window_mode]
     config = make_config(
@@ -205,7 +205,7 @@ def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups
 @pytest.mark.parametrize("implementation", ["eager", "cpu"])
 def test_attention_probabilities_match_oracle(implementation):
     """output_attentions returns the post-composed probabilities (masked entries zero)."""
-    if implementation == "cpu" and not dcmha_cpu.available():
+    if implementation == "cpu" and not dcmha_cpu.ensure_built():
         pytest.skip("no C compiler for the CPU kernel")
     config = make_config(
         use_qk_norm=True, window_size=WINDOW, num_head_groups=2, attention_chunk_size=3,

@@ -1,8 +1,10 @@
-"""modeling_dcformer.conversion.pythia (`dcformer-convert-pythia`, from conversion/) on tiny random GPT-NeoX checkpoints built here (with a locally trained
-byte-level BPE tokenizer): exact logits, gradients on every new parameter, trainability, round trip through
-AutoModelForCausalLM, dtypes, the legacy layout, the released-architecture options and the CLI's errors."""
+"""modeling_dcformer.conversion.pythia (`dcformer-convert-pythia`, from conversion/) on tiny random GPT-NeoX
+checkpoints built here (with a locally trained byte-level BPE tokenizer): exact logits, gradients on every new
+parameter, trainability, round trip through AutoModelForCausalLM, dtypes, the legacy layout, the
+released-architecture options (and their warnings), and the CLI's errors."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -302,12 +304,22 @@ def test_init_function_is_exact_on_any_dcformer(tiny_config):
 # ----------------------------------------------------------------------------------------------------------------
 # Released-architecture options, verification failure and CLI errors
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def warnings_logged(caplog, monkeypatch):
+    """The converter's warnings: logged (transformers' logging) by `modeling_dcformer.conversion.pythia`."""
+    monkeypatch.setattr(logging.getLogger("modeling_dcformer.conversion.pythia"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="modeling_dcformer.conversion.pythia")
+    return lambda: [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
 @pytest.mark.parametrize("option", [["--window-size", "8"], ["--qk-norm"]], ids=["window", "qk-norm"])
-def test_released_options_warn_and_report_the_difference(option, make_source, tmp_path, capsys):
+def test_released_options_warn_and_report_the_difference(option, make_source, tmp_path, capsys, warnings_logged):
     src = make_source()
     code, out, err = run_cli(src, tmp_path / "dst", *option, capsys=capsys)
     assert code == 0, err
-    assert "no longer computes" in err and "max |logit difference|" in err
+    warned = warnings_logged()
+    assert len(warned) == 2 and "no longer computes" in warned[0] and "max |logit difference|" in warned[1], warned
+    assert "verify:" not in out  # no bound applied: nothing to pass or fail
     config = json.loads((tmp_path / "dst" / "config.json").read_text())
     assert config["conversion"]["exact"] is False and config["conversion"]["max_logit_difference"] > 1e-4
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst")
@@ -365,8 +377,25 @@ def test_cli_rejects_bad_sources_and_options(make_source, tmp_path, capsys):
     assert code == 2 and "even number of rotary dimensions" in err
 
 
+def test_warnings_reach_the_terminal_by_default(make_source, tmp_path):
+    """Run as the command, with logging as transformers leaves it: the warnings are on stderr, the verification's
+    results and the final line on stdout."""
+    src = make_source()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRANSFORMERS_VERBOSITY")}
+    result = subprocess.run(
+        [sys.executable, "-m", "modeling_dcformer.conversion.pythia", str(src), str(tmp_path / "dst"), "--qk-norm",
+         "--no-verify"],
+        capture_output=True, text=True, cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--qk-norm give the released DCPythia architecture" in result.stderr
+    assert "the logit difference was not measured" in result.stderr
+    assert f"Converted {src} -> " in result.stdout and "no longer computes" not in result.stdout
+
+
 def test_script_rejects_a_llama_checkpoint(tmp_path):
-    """Run as `python -m modeling_dcformer.conversion.pythia` (what `dcformer-convert-pythia` runs): a LLaMA checkpoint is refused with exit code 2 and a clear message."""
+    """Run as `python -m modeling_dcformer.conversion.pythia` (what `dcformer-convert-pythia` runs): a LLaMA
+    checkpoint is refused with exit code 2 and a clear message."""
     llama = LlamaForCausalLM(
         LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     )

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes: nothing below needs trust_remote_code)
+from modeling_dcformer.conversion import common
 from modeling_dcformer.conversion import released as released_converter
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, publishing
 from oracle import gelu_exact, layer_norm, oracle_compose, oracle_dynamic_weights, rms_norm, silu, softmax_last
@@ -729,7 +730,7 @@ def test_converter_failure_midway_leaves_nothing(tmp_path, capsys, monkeypatch, 
         shard = src / "model-00003-of-00003.safetensors"
         shard.write_bytes(shard.read_bytes()[:-1000])
     written = []
-    real_flush = released_converter.ShardWriter.flush
+    real_flush = common.ShardWriter.flush
 
     def flush(self):
         real_flush(self)
@@ -737,7 +738,7 @@ def test_converter_failure_midway_leaves_nothing(tmp_path, capsys, monkeypatch, 
         if failure == "interrupted" and len(written) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(released_converter.ShardWriter, "flush", flush)
+    monkeypatch.setattr(common.ShardWriter, "flush", flush)
     out = tmp_path / "out"
     out.mkdir()
     dst = out / "converted"

@@ -58,6 +58,22 @@ def run(env, *cmd, code=None):
     return proc.stdout
 
 
+def test_the_wheel_holds_the_library_and_no_research_code(env):
+    """The wheel's files are the package (its flat modules, its folders and their data) and its metadata: the
+    comparisons and studies (research/, dcformer_research) are not in it, nor importable where it is installed."""
+    import zipfile
+
+    (wheel,) = (Path(env[1]).parent / "dist").glob("modeling_dcformer-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert all(n.startswith(("modeling_dcformer/", "modeling_dcformer-")) for n in names), names
+    assert not [n for n in names if "research" in n or "experiments" in n], names
+    for folder in ("kernels/csrc/dcmha_cpu.cpp", "publishing/model_card_template.md", "training/accelerate/fsdp.yaml",
+                   "configuration/dcformer-tiny.json", "evals/tasks/piqa_local.yaml"):
+        assert f"modeling_dcformer/{folder}" in names, folder
+    out = run(env, code="import importlib.util; print(importlib.util.find_spec('dcformer_research'))")
+    assert out.strip() == "None", out
+
+
 def test_installed_not_editable_and_not_from_the_checkout(env):
     out = run(env, code="import modeling_dcformer, modeling_dcformer.conversion as c, modeling_dcformer.evals as e; "
                         "print(modeling_dcformer.__file__, c.__file__, e.__file__)")

@@ -305,8 +305,9 @@ def register_fake() -> None:
 CPU = CPUBackend()
 
 
-def available() -> bool:
-    """Whether the operators can run here (they are built, or can be: this builds them)."""
+def ensure_built() -> bool:
+    """Build the operators if need be (about 30 s, once per machine) and say whether they run here. For the cheap
+    question, without building, ask `CPU.why_not(inputs)`."""
     try:
         CPU.prepare()
         return True

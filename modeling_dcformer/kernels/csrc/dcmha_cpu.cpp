@@ -1,6 +1,6 @@
 
 // DCMHA between the two matrix products, on CPU: Compose, mask, softmax, Compose in place on a chunk's raw q.k
-// scores (the "kernel" implementation of modeling_dcformer; see cpu_kernel.py). Registered as the PyTorch operator
+// scores (the "cpu" implementation of modeling_dcformer; see dcmha_cpu.py). Registered as the PyTorch operator
 // dcformer::compose_softmax_compose_ (in place on `scores`), whose tiles run on PyTorch's intra-op thread pool.
 
 #include <ATen/Parallel.h>
@@ -20,9 +20,8 @@
    every eighth row at the same address modulo 4 KiB, and a load whose address matches a recent store's low 12
    bits waits for that store to retire (4K aliasing): Compose stores each head's output while it loads the others'
    inputs and the key factors. With an offset a row, the forward operator took 0.74-0.80x its time at 16 and 32
-   heads a group, about the same at 4-12 (docs/performance.md, round 10). The offset is one 64-byte cache line (it
-   was 32 bytes until round 15): with the buffers on a line's start, a 16-float vector of any row never straddles
-   two lines. */
+   heads a group, about the same at 4-12 (docs/performance.md). The offset is one 64-byte cache line: with the
+   buffers on a line's start, a 16-float vector of any row never straddles two lines. */
 #define STRIDE (BLOCK + 16)
 #define MAX_RANK 8
 #define MAX_HEADS 256  /* heads per group the backward pass supports */
@@ -65,7 +64,7 @@ static inline void prefetch_span(const float *p, int n) {
    else 8 (AVX). Compose keeps its hidden values in registers, so it works on VL keys at a time (on AVX2, 16-float
    vectors, two registers each, made the compiler spill them to the stack; AVX-512 has 32 registers of 16). On an
    AVX-512 CPU the 16-float vectors (with the buffers on cache lines) took the forward operator to 0.73-0.83x its
-   time and the backward to 0.83-0.96x (docs/performance.md, round 15). */
+   time and the backward to 0.83-0.96x (docs/performance.md). */
 #if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -204,8 +203,8 @@ static float softmax_row(float *__restrict__ x, int n, const float *mx) {
    head's rows lie STRIDE floats after the previous head's modulo 4 KiB (head % 1024 == STRIDE), as the rows of a
    block buffer do, so Compose works on the scores where they are. Otherwise (a contiguous chunk: at 1,024 keys
    the heads' rows lie a multiple of 4 KiB apart) it works on copies of each block (`dcmha_tile`). The model's
-   chunks are laid out staggered (cpu_kernel.score_layout): the copies cost 10-16% of the forward operator's time
-   at 64-512 keys (docs/performance.md, round 12). */
+   chunks are laid out staggered (dcmha_cpu.score_layout): the copies cost 10-16% of the forward operator's time
+   at 64-512 keys (docs/performance.md). */
 struct ScoreLayout {
     int64_t batch, head, row;
     bool staggered;
@@ -354,7 +353,7 @@ static ChunkOperands check_chunk(const at::Tensor &scores, const char *name, con
 }
 
 /* dcformer::compose_softmax_compose_: the whole chunk, in place on `scores` ([B, G*M, c, s] fp32, each row of keys
-   contiguous, rows that do not overlap: contiguous, or staggered as cpu_kernel.score_layout lays it out).
+   contiguous, rows that do not overlap: contiguous, or staggered as dcmha_cpu.score_layout lays it out).
    Every argument is checked here: the loops trust these bounds. Tiles of `rows` query rows (per batch x group)
    are spread over PyTorch's intra-op threads when `parallel` (each tile is computed alone: the numbers do not
    depend on the threads). */
@@ -506,7 +505,7 @@ static void compose_row_backward(const float *a, const float *g, float *da, int 
 #define BWD_BLOCK 64   /* keys per block in the backward pass: a block's key factors and their gradients stay near L1 */
 /* floats from one row of a block buffer to the next: BWD_BLOCK + 16 (one cache line), not a power of two, as STRIDE (4K aliasing
    between the Compose gradients' stores and loads: 0.83-0.90x the time at 4-12 heads a group, 0.62-0.77x at 16
-   and 32, docs/performance.md, round 10) */
+   and 32, docs/performance.md) */
 #define BWD_STRIDE (BWD_BLOCK + 16)
 static void dcmha_backward_bg(float *raw, float *grad, int G, int M, int c, int s, int I, const float *qt, float *dqt,
                               int64_t T, int64_t t0, const float *kt, float *dkt, int64_t S, int64_t s0,
@@ -693,7 +692,7 @@ static void compose_softmax_compose_backward_(const at::Tensor &raw, const at::T
        dd = tanh((x @ dd)[g, c]).
    The two products are the operator's own up to FEW_ROWS rows (a decode step: they stream the weights from memory
    once, which ATen's GEMM, made for big products, took 1.5x as long to do at the Pythia-160M and DCPythia-6.9B
-   shapes: docs/performance.md, round 12), ATen's above; the rest is one pass over each row instead of the dozen
+   shapes: docs/performance.md), ATen's above; the rest is one pass over each row instead of the dozen
    PyTorch ops (and their dispatch) of the Python forward, which at a decode step cost several times the products. */
 /* out [R, N] = x [R, D] (rows x_stride floats apart, each contiguous) times w [D, N] (contiguous), reading w once,
    row by row, for the few rows of a decode step: every row of w is used by all R rows of x while it is in L1. */
@@ -892,7 +891,7 @@ static at::Tensor dcmha_decode(const at::Tensor &query, const at::Tensor &key, c
 /* dcformer::vector_width: the floats Compose works on at once in this build (VL: 16 with AVX-512, else 8) */
 static int64_t vector_width() { return VL; }
 /* dcformer::block_stride: STRIDE, the head stagger (modulo 4 KiB) at which the forward operator composes the scores
-   in place; cpu_kernel.HEAD_STAGGER lays the model's scores out so, and a test holds the two equal */
+   in place; dcmha_cpu.HEAD_STAGGER lays the model's scores out so, and a test holds the two equal */
 static int64_t block_stride() { return STRIDE; }
 
 TORCH_LIBRARY(dcformer, m) {

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_built():
-    if not dcmha_cpu.available():
+    if not dcmha_cpu.ensure_built():
         pytest.skip(f"the CPU kernel cannot be built here: {dcmha_cpu.CPU.failure}")
 
 
