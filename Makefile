@@ -8,11 +8,16 @@ TORCH ?= torch==2.13.0
 install-torch:
 	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q "torch>=2.5,<3"
 
-# Everything the tests use: the test tools (triton for the kernel tests), lm-eval, the training extra, and the research
-# code (research/, its own distribution) that examples/compare_small.py and its tests import.
+# The Triton of the GPU image, for the kernels' resource gate (tests/test_dcmha_triton.py): compiled for sm_90 by it,
+# in a folder of its own (the environment keeps its newer Triton for the interpreter tests).
+GATE_TRITON ?= triton==3.6.0
+
+# Everything the tests use: the test tools (triton for the kernel tests), lm-eval, the training extra, the research
+# code (research/, its own distribution) that examples/compare_small.py and its tests import, and the gate's Triton.
 install: install-torch
 	$(PY) -m pip install -q -e ".[test,eval,train]"
 	$(PY) -m pip install -q -e research
+	test -d .cache/triton-3.6.0/triton || $(PY) -m pip install -q --no-deps --target .cache/triton-3.6.0 "$(GATE_TRITON)"
 
 # Only what the demo runs (the `demo` extra: lm-eval and datasets), not the test tools or triton.
 install-demo: install-torch

@@ -71,7 +71,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import CompileConfig, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import modeling_dcformer  # noqa: E402,F401
 import modeling_dcformer.configuration  # noqa: E402
@@ -157,8 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                    help="decode: generate's cache_implementation, for both models (static: buffers written in place)")
     p.add_argument("--compile-static", action="store_true",
-                   help="decode with cache_implementation='static' and the model's forward wrapped in torch.compile "
-                        "(`model.forward = torch.compile(model.forward)`), both models; the warm-up run compiles. "
+                   help="decode with cache_implementation='static', which generate() compiles by itself (here on "
+                        "any device: CompileConfig), both models; the warm-up run compiles. "
                         "Implies --cache static and, unless --phases says otherwise, --phases decode")
     p.add_argument("--phases", default=None, help="comma-separated subset of " + ",".join(PHASES))
     p.add_argument("--quick", action="store_true", help="tiny model and short inputs: a smoke test")
@@ -366,15 +366,17 @@ def make_step(model, phase: str, dc_cfg: DCFormerConfig, opts: dict):
         model.eval()
         new = opts["decode_new"]
         cache = None if opts.get("cache", "dynamic") == "dynamic" else opts["cache"]
+        compiling = {}
         if opts.get("compile_static"):
-            # what transformers users do for speed on any device (generate compiles by itself only on accelerators,
-            # and only with a compileable cache): the forward of every generation step goes through torch.compile
-            model.forward = torch.compile(model.forward)
+            # generate() compiles the decoding step by itself with a compileable (static) cache on a GPU (Inductor,
+            # CUDA graphs there); the flag asks it to on any device
+            compiling["compile_config"] = CompileConfig()
+            compiling["compile_config"]._compile_all_devices = True
 
         def step():
             with torch.inference_mode():
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                     do_sample=False, use_cache=True, cache_implementation=cache)
+                                     do_sample=False, use_cache=True, cache_implementation=cache, **compiling)
             assert out.shape[1] == ids.shape[1] + new, out.shape
     return step
 

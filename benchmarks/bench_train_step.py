@@ -13,12 +13,14 @@ zero_grad. Both models live in one process on `--threads` torch threads (default
 medians and DCFormer/Transformer (the time ratio: 2.0 means DCFormer trains at half the Transformer's throughput).
 `--profile` prints torch.profiler's top ops of one DCFormer step per size. `--implementation compiled,cpu`
 times one DCFormer model with each dcmha_implementation in turn, all interleaved with the Transformer (one column
-each).
+each). On a GPU, "triton@cN" is "triton" in chunks of N queries and "triton@RxBS" with both kernels' tiles R query
+rows x BS keys (`triton_settings`), each for its own column's runs.
 
     python benchmarks/bench_train_step.py                    # the three sizes
     python benchmarks/bench_train_step.py --implementation compiled,cpu
     python benchmarks/bench_train_step.py --sizes 128/4 --profile
     python benchmarks/bench_train_step.py --device cuda     # fp32 on the GPU (kernels waited for around each step)
+    python benchmarks/bench_train_step.py --device cuda --implementation triton,triton@c64,triton@8x32
 """
 
 from __future__ import annotations
@@ -136,59 +138,82 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 
 def implementation_list(text: str) -> list[str]:
-    """`--implementation`: registered dcmha_implementation names, comma-separated (also profile_shapes.py's);
-    "triton@TxS" is "triton" with tiles of T queries x S keys (powers of two from 16; default 16x16)."""
+    """`--implementation`: registered dcmha_implementation names, comma-separated (also profile_shapes.py's), where
+    "triton" may carry settings for its own runs (`parse_variant`): "triton@cN" (chunks of N queries) and
+    "triton@RxBS" (both kernels' tiles R query rows x BS keys), alone or together ("triton@c256@8x32")."""
     names = text.split(",")
     known = set(implementation_names())
-    unknown = [name for name in names if name.split("@")[0] not in known or ("@" in name and not triton_tiles(name))]
+    unknown = [name for name in names if parse_variant(name) is None or parse_variant(name)[0] not in known]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"{', '.join(unknown)}: not a dcmha_implementation (known: {sorted(known)}, and triton@TxS with T and S "
-            "powers of two from 16)"
+            f"{', '.join(unknown)}: not a dcmha_implementation (known: {sorted(known)}, and triton@cN for chunks of "
+            "N queries, triton@RxBS for tiles of R rows x BS keys: powers of two, keys from 16)"
         )
     return names
 
 
 def parse_tile(text: str) -> tuple[int, int] | None:
-    """(T, S) of a Triton tile "TxS" (T queries x S keys, each a power of two from 16), or None where `text` is not
-    one (also triton_resources.py's --tiles)."""
+    """(R, BS) of a Triton tile "RxBS" (R query rows x BS keys of a program's block: powers of two, keys from 16,
+    as triton_resources.py's --tiles), or None where `text` is not one."""
     match = re.fullmatch(r"(\d+)x(\d+)", text)
     if not match:
         return None
-    tile = int(match.group(1)), int(match.group(2))
-    return tile if all(n >= 16 and n & (n - 1) == 0 for n in tile) else None
+    rows, keys = int(match.group(1)), int(match.group(2))
+    power = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return (rows, keys) if power(rows) and power(keys) and keys >= 16 else None
 
 
-def triton_tiles(name: str) -> tuple[int, int] | None:
-    """(T, S) of "triton@TxS", or None where `name` is not that."""
-    base, _, tile = name.partition("@")
-    return parse_tile(tile) if base == "triton" else None
+def parse_variant(name: str) -> tuple[str, dict] | None:
+    """(implementation, settings) of an `--implementation` entry: "eager" -> ("eager", {}); "triton@c256@8x32" ->
+    ("triton", {"chunk": 256, "tile": (8, 32)}); None where the settings are malformed, repeated or not on
+    "triton"."""
+    base, *options = name.split("@")
+    if options and base != "triton":
+        return None
+    settings = {}
+    for option in options:
+        chunk = re.fullmatch(r"c(\d+)", option)
+        if chunk and int(chunk.group(1)) > 0 and "chunk" not in settings:
+            settings["chunk"] = int(chunk.group(1))
+        elif parse_tile(option) is not None and "tile" not in settings:
+            settings["tile"] = parse_tile(option)
+        else:
+            return None
+    return base, settings
 
 
 @contextlib.contextmanager
-def triton_tile(tile: tuple[int, int]):
-    """The Triton kernels' tiles (`dcmha_triton.BLOCK_T`, `BLOCK_S`, read at every launch) set to `tile` inside the
-    block, restored after it (also when it raises)."""
+def triton_settings(chunk: int | None = None, tile: tuple[int, int] | None = None):
+    """Inside the block, "triton" runs with chunks of `chunk` queries (a `TritonBackend(chunk_queries=chunk)`
+    registered under "triton") and both kernels' tiles (`dcmha_triton.FORWARD_TILE`, `BACKWARD_TILE`, read at every
+    launch) set to `tile`; the registered backend and the tiles are restored after it, also when it raises."""
+    from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHAInterface
     from modeling_dcformer.kernels import dcmha_triton
 
-    saved = dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S
-    dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S = tile
+    backend = DCMHA_BACKENDS.get("triton")
+    tiles = dcmha_triton.FORWARD_TILE, dcmha_triton.BACKWARD_TILE
     try:
+        if chunk is not None:
+            DCMHAInterface.register("triton", dcmha_triton.TritonBackend(chunk_queries=chunk))
+        if tile is not None:
+            dcmha_triton.FORWARD_TILE = dcmha_triton.BACKWARD_TILE = tuple(tile)
         yield
     finally:
-        dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S = saved
+        dcmha_triton.FORWARD_TILE, dcmha_triton.BACKWARD_TILE = tiles
+        if chunk is not None:
+            DCMHAInterface.register("triton", backend)
 
 
 def with_implementation(model, implementation: str, step):
     """`step` run with the model's dcmha_implementation set to `implementation` (read at every attention call);
-    "triton@TxS" sets the Triton kernels' tiles for the step (`triton_tile`)."""
-    tiles = triton_tiles(implementation)
+    "triton@cN" and "triton@RxBS" apply their settings for the step (`triton_settings`)."""
+    base, settings = parse_variant(implementation)
 
     def run():
-        model.config.dcmha_implementation = implementation.split("@")[0]
-        if tiles is None:
+        model.config.dcmha_implementation = base
+        if not settings:
             return step()
-        with triton_tile(tiles):
+        with triton_settings(**settings):
             return step()
 
     return run
@@ -205,7 +230,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     p.add_argument("--dc-overrides", default="", help="DCFormerConfig options, e.g. attention_recompute=false")
     p.add_argument("--implementation", type=implementation_list, default=None,
-                   help="dcmha_implementation, or several comma-separated (one model, each timed; default: auto)")
+                   help="dcmha_implementation, or several comma-separated (one model, each timed; default: auto); "
+                        "triton@cN: chunks of N queries, triton@RxBS: tiles of R rows x BS keys")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--rows", type=int, default=20)
     return p.parse_args(argv)

@@ -15,13 +15,18 @@ changes the ratio it measures (docs/performance.md).
     python benchmarks/profile_shapes.py --preset dcpythia-pythia-70m --seq-len 1024 --phases prefill,train --profile
     python benchmarks/profile_shapes.py --device cuda --layers 32 --vocab 50432 --seq-len 2048  # the whole 6.9B shape
     python benchmarks/profile_shapes.py --device cuda --implementation auto,triton  # each against NeoX, interleaved
+    python benchmarks/profile_shapes.py --device cuda --implementation triton,triton@c256,triton@8x32  # the sweep
     python benchmarks/profile_shapes.py --preset dcpythia-pythia-160m --layers 12 --dtype fp32 --phases prefill \
         --seq-len 1024 --repeats 4 --parts  # attention, projections, MLP: each model's seconds a run
 
 Phases: prefill (`--seq-len` tokens under inference_mode, cache filled, logits of the last position), decode
-(greedy `generate` of `--decode-new` tokens after `--decode-prompt`), step (`--decode-new` forward calls of one token
-against the cache of `--decode-prompt` tokens, each cropped back: one layer's decode step, from the model's own
-forward, without generate()), train (loss + backward, no optimizer).
+(greedy `generate` of `--decode-new` tokens after `--decode-prompt`), decode-static (the same with
+`cache_implementation="static"`, which generate() compiles by itself, here on every device; the warm-up
+compiles), step (`--decode-new` forward calls of one token against the
+cache of `--decode-prompt` tokens, each cropped back: one layer's decode step, from the model's own forward, without
+generate()), train (loss + backward, no optimizer). `--decode-implementation` times the decoding phases (decode,
+decode-static, step) with other implementations than `--implementation` (say "triton" for prefill and training,
+"auto" for decoding); `--json OUT` writes every phase's medians, ratios and peaks (rewritten after each phase).
 
     python benchmarks/profile_shapes.py --preset dcpythia-pythia-70m --layers 1 --vocab 512 --dtype fp32 \
         --phases step --decode-prompt 192 --decode-new 200 --repeats 7
@@ -30,13 +35,14 @@ forward, without generate()), train (loss + backward, no optimizer).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import CompileConfig, DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
 
 # one timer, profile table and --implementation for both scripts (benchmarks/ is on sys.path)
 from bench_train_step import implementation_list, timed, top_ops, where, with_implementation
@@ -44,6 +50,8 @@ from modeling_dcformer import DCFormerCache, DCFormerConfig, DCFormerForCausalLM
 from modeling_dcformer.modeling_dcformer import CACHE_NAME
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PHASES = ("prefill", "train", "decode", "decode-static", "step")
+DECODING = ("decode", "decode-static", "step")  # timed with --decode-implementation where given
 
 
 def build(kind: str, dc: DCFormerConfig, dtype: torch.dtype, device: torch.device):
@@ -78,7 +86,7 @@ def _build(kind: str, dc: DCFormerConfig, dtype: torch.dtype):
 
 def make_step(model, phase: str, args, vocab: int):
     gen = torch.Generator().manual_seed(1)
-    length = args.decode_prompt if phase in ("decode", "step") else args.seq_len
+    length = args.decode_prompt if phase in DECODING else args.seq_len
     ids = torch.randint(0, vocab, (args.batch, length), generator=gen).to(model.device)
     model.train(phase == "train")
     if phase == "prefill":
@@ -103,6 +111,15 @@ def make_step(model, phase: str, args, vocab: int):
                     cache.crop(-1)
 
         step.cache = cache  # for a look after the runs
+    elif phase == "decode-static":
+        compile_config = CompileConfig()  # what generate() uses on a GPU (Inductor, CUDA graphs there)
+        compile_config._compile_all_devices = True  # and on any other device: generate() compiles by itself
+
+        def step():  # the warm-up run compiles the decoding step; the model's forward stays its own
+            with torch.inference_mode():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.decode_new,
+                               min_new_tokens=args.decode_new, do_sample=False, cache_implementation="static",
+                               compile_config=compile_config)
     else:
         def step():
             with torch.inference_mode():
@@ -115,8 +132,9 @@ def make_step(model, phase: str, args, vocab: int):
 NO_LAUNCH = {
     "aten::view", "aten::as_strided", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::view_as",
     "aten::expand", "aten::slice", "aten::select", "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze",
-    "aten::permute", "aten::detach", "aten::alias", "aten::unbind", "aten::split", "aten::chunk", "aten::narrow",
-    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::permute", "aten::detach", "aten::alias", "aten::unbind", "aten::split", "aten::split_with_sizes",
+    "aten::chunk", "aten::narrow", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+    "aten::new_empty_strided", "aten::resolve_conj", "aten::resolve_neg",
     "aten::lift_fresh", "aten::contiguous", "aten::result_type", "aten::size", "aten::stride",
 }  # fmt: skip
 
@@ -137,8 +155,9 @@ def count_ops(step) -> tuple[int, int]:
 LAYER_PARTS = {
     "neox": {"attention": "attention", "attention.query_key_value": "q/k/v projection",
              "attention.dense": "output projection", "mlp": "MLP"},
-    "dcformer": {"self_attn": "attention", "self_attn.qkv_proj": "q/k/v projection", "self_attn.o_proj": "output projection",
-                 "self_attn.dyn_w_proj": "dynamic-weight projection", "mlp": "MLP"},
+    "dcformer": {"self_attn": "attention", "self_attn.qkv_proj": "q/k/v projection",
+                 "self_attn.o_proj": "output projection", "self_attn.dyn_w_proj": "dynamic-weight projection",
+                 "mlp": "MLP"},
 }
 PROJECTIONS = ("q/k/v projection", "output projection", "dynamic-weight projection")
 
@@ -196,7 +215,8 @@ class PartTimer:
             sec = {part: value / len(times[name]) for part, value in self.seconds[name].items()}
             sec["total"] = statistics.mean(times[name])
             sec["attention: the rest"] = sec.get("attention", 0.0) - sum(sec.get(p, 0.0) for p in PROJECTIONS)
-            sec["outside (embedding, norms, head, Python)"] = sec["total"] - sec.get("attention", 0.0) - sec.get("MLP", 0.0)
+            outside = sec["total"] - sec.get("attention", 0.0) - sec.get("MLP", 0.0)
+            sec["outside (embedding, norms, head, Python)"] = outside
             per_run[name] = sec
         first = names[0]
         header = f"    {'part (forward, s a run)':<42}" + "".join(f"{n:>10}" for n in names)
@@ -226,14 +246,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default="cpu", help="cpu (1 torch thread) or cuda")
-    p.add_argument("--phases", default="prefill,decode")
+    p.add_argument("--phases", default="prefill,decode", help="comma-separated: " + ", ".join(PHASES))
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--decode-prompt", type=int, default=8)
     p.add_argument("--decode-new", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--implementation", default=None, type=implementation_list,
-                   help="dcmha_implementation, or several comma-separated (one model, each timed; default: auto)")
+                   help="dcmha_implementation, or several comma-separated (one model, each timed; default: auto); "
+                        "triton@cN: chunks of N queries, triton@RxBS: tiles of R rows x BS keys")
+    p.add_argument("--decode-implementation", default=None, type=implementation_list,
+                   help="the same for the decoding phases (decode, decode-static, step; default: --implementation's)")
     p.add_argument("--attention-chunk-size", type=int, default=None,
                    help="queries attended at a time by the chunked implementations (default: the preset's, 128)")
     p.add_argument("--profile", action="store_true")
@@ -243,7 +266,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", action="store_true",
                    help="split the timed runs' forward wall time by part of the decoder layers (attention, its "
                         "projections, MLP), each model's seconds a run (forward hooks; the backward is not split)")
-    return p.parse_args(argv)
+    p.add_argument("--json", default=None, help="also write each phase's medians, ratios and peaks to this file")
+    args = p.parse_args(argv)
+    unknown = [phase for phase in args.phases.split(",") if phase not in PHASES]
+    if unknown:
+        p.error(f"--phases: unknown {', '.join(unknown)} ({', '.join(PHASES)})")
+    return args
 
 
 def main(argv=None) -> int:
@@ -255,14 +283,19 @@ def main(argv=None) -> int:
     if args.attention_chunk_size:
         overrides["attention_chunk_size"] = args.attention_chunk_size
     dc = DCFormerConfig.from_preset(args.preset, **overrides)
-    implementations = args.implementation or [dc.dcmha_implementation]
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     models = {kind: build(kind, dc, dtype, device) for kind in ("neox", "dcformer")}
     print(f"{args.preset} x{args.layers} layers, vocab {args.vocab}, {args.dtype}, batch {args.batch}, "
           f"chunks of {dc.attention_chunk_size} queries, {where(device, 1)}, median of {args.repeats}")
-    # the DCFormer model once per implementation ("DC" alone when there is one); all interleaved with NeoX
-    names = {impl: "DC" if len(implementations) == 1 else f"DC[{impl}]" for impl in implementations}
+    summary = dict(preset=args.preset, layers=args.layers, vocab=args.vocab, dtype=args.dtype, batch=args.batch,
+                   seq_len=args.seq_len, decode_prompt=args.decode_prompt, decode_new=args.decode_new,
+                   device=where(device, 1), repeats=args.repeats, phases=[])  # fmt: skip
     for phase in args.phases.split(","):
+        implementations = args.implementation or [dc.dcmha_implementation]
+        if phase in DECODING and args.decode_implementation:
+            implementations = args.decode_implementation
+        # the DCFormer model once per implementation ("DC" alone when there is one); all interleaved with NeoX
+        names = {impl: "DC" if len(implementations) == 1 else f"DC[{impl}]" for impl in implementations}
         steps = {"NeoX": make_step(models["neox"], phase, args, dc.vocab_size)}
         for impl in implementations:
             steps[names[impl]] = with_implementation(models["dcformer"], impl,
@@ -289,6 +322,10 @@ def main(argv=None) -> int:
         cells = [f"{kind} {med[kind] * 1e3:9.1f} ms" for kind in steps]
         ratios = [f"{kind}/NeoX {med[kind] / med['NeoX']:.3f}" for kind in steps if kind != "NeoX"]
         print(f"{phase:>8}: {'  '.join(cells)}  {'  '.join(ratios)}", flush=True)
+        record = dict(phase=phase, implementations={names[i]: i for i in implementations if names[i] in steps},
+                      ms={kind: med[kind] * 1e3 for kind in steps},
+                      ratio={kind: med[kind] / med["NeoX"] for kind in steps if kind != "NeoX"})  # fmt: skip
+        summary["phases"].append(record)
         if parts:
             print(parts.table(times), flush=True)
         if device.type == "cuda":
@@ -296,6 +333,7 @@ def main(argv=None) -> int:
             cells = [f"{kind} {peak[kind]:.0f} MiB" for kind in steps]
             ratios = [f"{kind}/NeoX {peak[kind] / max(peak['NeoX'], 1e-9):.3f}" for kind in steps if kind != "NeoX"]
             print(f"{'':>8}  peak CUDA memory above the weights: {'  '.join(cells)}  {'  '.join(ratios)}", flush=True)
+            record["peak_mib"] = peak
         if args.ops:
             counts = {kind: count_ops(step) for kind, step in steps.items()}
             cells = [f"{kind} {ops} ops + {regions} compiled calls" for kind, (ops, regions) in counts.items()]
@@ -303,6 +341,9 @@ def main(argv=None) -> int:
         if args.profile:
             for kind, step in steps.items():
                 print(f"  {phase} profile, {kind}:\n{top_ops(step, args.rows, device)}", flush=True)
+        if args.json:  # after every phase: a run cut short by a time limit keeps the phases it finished
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
     return 0
 
 

@@ -7,6 +7,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .configuration_dcformer import DCFormerConfig
+from .dcmha_base import packed
+
+
+def shares_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s storage holds more than it (a view of a bigger tensor, which it would keep alive)."""
+    return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
 
 
 class DCFormerLayerLength:
@@ -23,6 +29,10 @@ class DCFormerLayerLength:
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
+
+    def key_start(self, keys: torch.Tensor) -> int:
+        """The absolute index of the first of `keys` (what `update_dcmha` returned)."""
+        return self.cumulative_length - keys.shape[-2]
 
     def _select(self, fn) -> None:
         """`fn` applied along the batch to the keys, values and key terms (beam search, batch expansion)."""
@@ -85,8 +95,10 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
         """`name` + new along dim. In place on a global layer (untraced; no autograd, which saves versions): after the
         tokens, room for an eighth + 64 more (DynamicLayer copies all each step); first tokens, crop, move: copied."""
         stored, last, extra = getattr(self, name), self._grown.get(name), new.shape[dim]
-        if not in_place or not stored.shape[dim]:  # the first tokens: a copy where they are a view (of a bigger base)
-            return torch.cat([stored, new], dim=dim) if stored.shape[dim] else new.contiguous()
+        if not stored.shape[dim]:  # the first tokens: a copy where they are a view (of a bigger base)
+            return packed(new) if torch.compiler.is_compiling() or shares_storage(new) else new.contiguous()
+        if not in_place:
+            return torch.cat([stored, new], dim=dim)
         size = [*stored.shape]
         if last is None or last() is not stored or size[dim] + extra > stored.stride(dim - 1) // stored.stride(dim):
             room = [*size[:dim], (size[dim] + extra) * 9 // 8 + 64, *size[dim + 1 :]]
@@ -146,10 +158,14 @@ class DCFormerCacheLayer(DCFormerLayerLength, DynamicLayer):
 
 
 class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
-    """One layer's cache in buffers of `max_cache_len` tokens, written in place at each step (no copy of what is
-    cached); a step attends to views of the filled part (on a local layer, its window)."""
+    """One layer's cache in buffers of `max_cache_len` tokens written in place, built for torch.compile as
+    transformers' `StaticLayer` is: `update_dcmha` returns the whole buffers (from key 0; a query does not see the
+    keys after it), and the length is a 0-dim tensor on the buffers' device, advanced in place, so that every decode
+    step has the same shapes and no Python number that changes (`is_compileable`: `generate()` compiles the step on
+    an accelerator). The model reads the length once per eager call (`DCFormerModel.forward`), which attends to views
+    of the filled part (`seen_from`); a traced call attends to the whole buffers, masked."""
 
-    is_compileable = False  # the views grow with the cache: the attention's shapes are not static
+    is_compileable = True
     is_sliding = False
     is_croppable = True  # every key stays in the buffers, a local layer's too: a crop loses nothing
 
@@ -158,7 +174,7 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
         self.max_cache_len = max_cache_len
         self.window_size = window_size
         self.key_terms: torch.Tensor | None = None
-        self.cumulative_length = 0
+        self.cumulative_length = torch.tensor(0)  # moved to the buffers' device with them
 
     def lazy_initialization(self, key_states, value_states, key_terms=None) -> None:
         B, N, _, Dh = key_states.shape
@@ -166,22 +182,42 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
         self.keys, self.values = (t.new_zeros(B, N, self.max_cache_len, Dh) for t in (key_states, value_states))
         if key_terms is not None:
             self.key_terms = key_terms.new_zeros(B, self.max_cache_len, *key_terms.shape[2:])
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():  # fixed addresses for CUDA graphs (a traced call cannot mark them)
+            for tensor in (self.keys, self.values, self.key_terms, self.cumulative_length):
+                if tensor is not None:
+                    torch._dynamo.mark_static_address(tensor)
         self.is_initialized = True
 
     def update_dcmha(self, key, value, key_terms):
         if not self.is_initialized:
             self.lazy_initialization(key, value, key_terms)
-        start, end = self.cumulative_length, self.cumulative_length + key.shape[-2]
-        if end > self.max_cache_len:
-            raise ValueError(f"the static DCFormer cache holds max_cache_len={self.max_cache_len} tokens; this step "
-                             f"would need {end}: make it longer (generate's max_cache_len, or max_new_tokens)")
-        self.keys[:, :, start:end], self.values[:, :, start:end] = key, value
+        T = key.shape[-2]  # that there is room for them: `DCFormerCache.check_room`
+        positions = torch.arange(T, device=self.device) + self.cumulative_length
+        self.keys.index_copy_(2, positions, key)
+        self.values.index_copy_(2, positions, value)
         if key_terms is not None:
-            self.key_terms[:, start:end] = key_terms
-        self.cumulative_length = end
-        first = 0 if self.window_size is None else max(0, start - self.window_size + 1)  # what the step can see
+            self.key_terms.index_copy_(1, positions, key_terms)
+        self.cumulative_length.add_(T)
+        return self.keys, self.values, self.key_terms
+
+    def key_start(self, keys: torch.Tensor) -> int:
+        return 0  # the whole buffers
+
+    def seen_from(self, query_start: int, new_tokens: int) -> tuple:
+        """Views of the keys, values and key terms the queries query_start.. of a step can see (the filled part; on a
+        local layer, its window) and the index of the first: what an eager call attends to."""
+        end = query_start + new_tokens
+        first = 0 if self.window_size is None else max(0, query_start - self.window_size + 1)
         terms = None if self.key_terms is None else self.key_terms[:, first:end]
-        return self.keys[:, :, first:end], self.values[:, :, first:end], terms
+        return self.keys[:, :, first:end], self.values[:, :, first:end], terms, first
+
+    def get_seq_length(self) -> torch.Tensor:
+        """The tokens cached, a 0-dim tensor (as transformers' static layers count them)."""
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -189,14 +225,15 @@ class DCFormerStaticCacheLayer(DCFormerLayerLength, CacheLayerMixin):
     get_max_cache_shape = get_max_length
 
     def reset(self) -> None:
-        self.cumulative_length = 0  # the buffers stay: the next sequence overwrites them
+        self.cumulative_length.zero_()  # the buffers stay: the next sequence overwrites them
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Keep the first `tokens_to_remove` tokens, or drop the last -`tokens_to_remove` (as `DynamicLayer.crop`)."""
+        """Keep the first `tokens_to_remove` tokens, or drop the last -`tokens_to_remove` (as `DynamicLayer.crop`);
+        in place, without reading the length."""
         if tokens_to_remove <= 0:
-            self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
-        elif tokens_to_remove < self.cumulative_length:
-            self.cumulative_length = tokens_to_remove
+            self.cumulative_length.add_(tokens_to_remove).clamp_(min=0)
+        else:
+            self.cumulative_length.clamp_(max=tokens_to_remove)
 
 
 class DCFormerCache(Cache):
@@ -216,11 +253,28 @@ class DCFormerCache(Cache):
         # `input_products`): made at the first step, reused by the later steps of the same generation
         self.projection_weights: dict[int, dict] = {}
 
-    def update_dcmha(self, key, value, key_terms, layer_idx: int):
-        """Append this step's keys, values and key terms; returns (keys, values, key_terms, key_start) to attend to."""
+    def update_dcmha(self, key, value, key_terms, layer_idx: int, query_start=None):
+        """Append this step's keys, values and key terms; returns (keys, values, key_terms, key_start) to attend to.
+        A static layer's are its whole buffers, or with `query_start` an int (an eager call) views of the keys the
+        step's queries can see (`DCFormerStaticCacheLayer.seen_from`)."""
         layer = self.layers[layer_idx]
         keys, values, terms = layer.update_dcmha(key, value, key_terms)
-        return keys, values, terms, layer.cumulative_length - keys.shape[-2]
+        if isinstance(layer, DCFormerStaticCacheLayer) and isinstance(query_start, int):
+            return layer.seen_from(query_start, key.shape[-2])
+        return keys, values, terms, layer.key_start(keys)
+
+    def check_room(self, length: int, new_tokens: int) -> None:
+        """A clear error where a static cache of `length` tokens has no room for `new_tokens` more."""
+        limit = self.max_cache_len
+        if limit is not None and length + new_tokens > limit:
+            raise ValueError(f"the static DCFormer cache holds max_cache_len={limit} tokens; this step would need "
+                             f"{length + new_tokens}: make it longer (generate's max_cache_len, or max_new_tokens)")
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """The static layers' length (None: growing layers)."""
+        layer = self.layers[0]
+        return layer.max_cache_len if isinstance(layer, DCFormerStaticCacheLayer) else None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Crop every layer, the local ones first: if one refuses, the first does, and nothing has changed."""

@@ -20,7 +20,7 @@ from transformers.utils.generic import GeneralInterface
 
 from .dcmha_base import (  # noqa: F401  (re-exported: the interface's public names)
     LOCAL_CHUNK_MIN, DCMHABackend, DCMHAChunk, DCMHAInputs, compile_supported, join_chunks, packed, time_last,
-    visible_keys,
+    token_positions, visible_keys,
 )
 from .dcmha_compiled import COMPILED
 from .dcmha_eager import EAGER

@@ -22,16 +22,17 @@ class DCMHAChunk(NamedTuple):
     """One chunk of queries against the keys it may see (`dcmha_eager.attend_chunk`); a NamedTuple of plain tensors.
     query [B, N, c, Dh]; key, value [B, N, s, Dh] (value None where only the probabilities are wanted);
     query_terms [B, G, 2, 2I+1, M, c], key_terms [B, G, 2, 2I+1, M, s] (slots pre, post; time last) or None;
-    query_pos [c], key_pos [s]: absolute positions; key_padding_mask [B, s] bool or None; masked: whether some query
-    of the chunk cannot see some key (False for a decode step without padding: no mask is applied)."""
+    query_pos [c], key_pos [s]: absolute positions, only where the chunk is masked (else None); key_padding_mask
+    [B, s] bool or None; masked: whether some query of the chunk cannot see some key (False for a decode step without
+    padding: no mask is applied, none is built)."""
 
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor | None
     query_terms: torch.Tensor | None
     key_terms: torch.Tensor | None
-    query_pos: torch.Tensor
-    key_pos: torch.Tensor
+    query_pos: torch.Tensor | None
+    key_pos: torch.Tensor | None
     key_padding_mask: torch.Tensor | None
     window_size: int | None
     masked: bool
@@ -47,8 +48,10 @@ class DCMHAInputs:
     query_terms [B, T, G, 2, 2I+1, M]: the queries' factors of the slots (pre, post), rows w1, w2, dd
         (`DynamicWeightProjection`'s packing), or None: plain multi-head attention (use_dcmha=False).
     key_terms [B, S, G, 2, 2I+1, M] or None (query-wise or plain).
-    query_start, key_start: absolute token index (past tokens included) of the first query and the first key; the
-        queries are consecutive tokens, and so are the keys. A query at index i sees a key at index j when j <= i,
+    query_start, key_start: absolute token index (past tokens included) of the first query and the first key: ints,
+        or a 0-dim tensor for the queries of a static cache under torch.compile (its length, as transformers' static
+        layers keep it: one graph for every step), read as symbolic (one chunk, masked). The queries are consecutive
+        tokens, and so are the keys. A query at index i sees a key at index j when j <= i,
         j > i - window_size on a local layer, and the key is not padding (key_padding_mask [B, S] bool, True for
         real tokens, or None).
     chunk_size: queries per chunk for the backends that work in chunks (local layers use smaller ones).
@@ -80,11 +83,14 @@ class DCMHAInputs:
 
     @property
     def plain_causal(self) -> bool:
-        """Every query sees exactly the keys up to itself (no window, no padding, queries are the keys or one query):
-        plain causal attention needs no mask."""
+        """Every query sees exactly the keys up to itself (no window, no padding, queries are the keys or one query
+        after its keys): plain causal attention needs no mask."""
         _, _, T, S, _ = self.shapes
         unmasked = self.window_size is None and self.key_padding_mask is None
-        return unmasked and (T == 1 or (T == S and self.query_start == self.key_start))
+        if not unmasked or isinstance(self.query_start, torch.Tensor):  # a static cache's buffers hold unfilled keys
+            return False
+        ends_at_query = self.key_start + S == self.query_start + 1  # one query: the last key is its own
+        return (T == 1 and ends_at_query) or (T == S and self.query_start == self.key_start)
 
     @property
     def queries_per_chunk(self) -> int:
@@ -103,17 +109,20 @@ class DCMHAInputs:
     @property
     def symbolic_lengths(self) -> bool:
         """Whether the lengths or start indices are symbolic (torch.export's dynamic dims, torch.compile's dynamic
-        shapes): then the number of chunks cannot depend on them."""
+        shapes, a static cache's length as a tensor): then the number of chunks cannot depend on them."""
         _, _, T, S, _ = self.shapes
         return not all(isinstance(n, int) for n in (T, S, self.query_start, self.key_start))
 
-    def chunk_spans(self, max_queries: int | None = None) -> list[tuple[int, int, int, int]]:
-        """(t0, t1, s0, s1) per chunk of queries_per_chunk (at most max_queries) queries: queries [t0, t1), the keys
-        [s0, s1) they can see (indices into the call's). With symbolic lengths, one chunk: all against all, masked."""
+    def chunk_spans(self, max_queries: int | None = None,
+                    queries: int | None = None) -> list[tuple[int, int, int, int]]:  # fmt: skip
+        """(t0, t1, s0, s1) per chunk of queries_per_chunk (at most max_queries) queries, or of `queries` queries
+        where a backend sizes its chunks itself: queries [t0, t1), the keys [s0, s1) they can see (indices into the
+        call's). With symbolic lengths, one chunk: all against all, masked."""
         _, _, T, S, _ = self.shapes
         if self.symbolic_lengths:
             return [(0, T, 0, S)]
-        spans, step = [], min(self.queries_per_chunk, max_queries or self.queries_per_chunk)
+        step = queries or min(self.queries_per_chunk, max_queries or self.queries_per_chunk)
+        spans = []
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
             first, last = self.query_start + t0, self.query_start + t1 - 1  # absolute indices of the queries
@@ -146,15 +155,24 @@ class DCMHAInputs:
         device = self.query.device
         qt, kt = self.time_last_terms()
         pad = self.key_padding_mask
+        masked = self.chunk_is_masked(t0, t1, s0, s1)
         return DCMHAChunk(
             query=self.query[:, :, t0:t1], key=self.key[:, :, s0:s1],
             value=self.value[:, :, s0:s1] if with_values else None,
             query_terms=None if qt is None else qt[..., t0:t1], key_terms=None if kt is None else kt[..., s0:s1],
-            query_pos=torch.arange(self.query_start + t0, self.query_start + t1, device=device),
-            key_pos=torch.arange(self.key_start + s0, self.key_start + s1, device=device),
+            query_pos=token_positions(self.query_start, t0, t1, device) if masked else None,
+            key_pos=token_positions(self.key_start, s0, s1, device) if masked else None,
             key_padding_mask=None if pad is None else packed(pad[:, s0:s1]), window_size=self.window_size,
-            masked=self.chunk_is_masked(t0, t1, s0, s1), rank=self.rank, num_groups=self.num_groups,
+            masked=masked, rank=self.rank, num_groups=self.num_groups,
         )
+
+
+def token_positions(start, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """The absolute positions start + lo .. start + hi - 1 ([hi - lo]); `start` an int, or a tensor (a static cache's
+    length under torch.compile)."""
+    if isinstance(start, int):
+        return torch.arange(start + lo, start + hi, device=device)
+    return torch.arange(lo, hi, device=device) + start
 
 
 def time_last(terms: torch.Tensor | None) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.fx.experimental._config
 
-from .dcmha_base import DCMHAInputs, compile_supported, visible_keys
+from .dcmha_base import DCMHAInputs, compile_supported, packed, visible_keys
 from .dcmha_eager import EagerBackend, stage_apply, stage_hidden
 
 # "auto" compiles an attention call whose chunks compute at least this many scores in all (batch x heads x queries x
@@ -61,6 +61,13 @@ class ComposeStep(torch.autograd.Function):
         return None, *grads, None, None, None, None
 
 
+def compiled_step(stages, raw, query_terms, key_terms, mask, scale, fill, rank):
+    """`compose_step` through the compiled `stages`, each slot's factors copied to standard strides first: the
+    stages see no strides to specialise on."""
+    key_terms = None if key_terms is None else packed(key_terms)
+    return ComposeStep.apply(stages, raw, packed(query_terms), key_terms, mask, scale, fill, rank)
+
+
 # The dims of each stage's arguments that are dynamic (argument position -> dims): batch, queries and keys (one graph
 # for every chunk); heads and ranks stay static, so that their loops are unrolled and vectorised.
 # Scores and hidden values [B, G, M or I, c, s]; factors [B, G, 2I+1, M, c or s]; positions [c], [s]; padding [B, s].
@@ -89,7 +96,7 @@ class CompiledBackend(EagerBackend):
     def compose_step(self) -> Callable:
         if self._stages is None:
             self._stages = tuple(self._compile(fn) for fn in (stage_hidden, stage_apply, compose_backward))
-        return functools.partial(ComposeStep.apply, self._stages)
+        return functools.partial(compiled_step, self._stages)
 
     def reset(self, compile_backend: str | None = None) -> None:
         """Forget the compiled stages and any recorded failure (optionally switching torch.compile's backend)."""

@@ -27,7 +27,7 @@ from transformers.utils import logging
 from .cache_dcformer import DCFormerCache, check_cache, check_cache_implementation
 from .checkpoint_checks import check_dtypes, describe_mismatch
 from .configuration_dcformer import PACKAGE, DCFormerConfig, check_attn_implementation
-from .dcmha import DCMHAInputs, dcmha_attention, project_dynamic_weights
+from .dcmha import DCMHAInputs, dcmha_attention, project_dynamic_weights, token_positions
 
 logger = logging.get_logger(__name__)
 
@@ -43,6 +43,16 @@ def cache_argument(cache: Cache | None, past_key_values: Cache | None) -> Cache 
 
 
 DW_RMS_EPS = 1e-6  # eps of the RMS normalisation of the dynamic w1 factors (spec, step 5)
+
+
+def as_float(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in fp32, cast only where it is not (a cast is a dispatched op even when it has nothing to do)."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
+# dtypes whose layer_norm ATen computes in fp32 (half precision as its accumulation type, rounding the output once),
+# on the CPU and on CUDA alike: no casts around it (each is a dispatched op)
+FP32_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class DCFormerRMSNorm(nn.Module):
@@ -62,7 +72,7 @@ class DCFormerLayerNorm(nn.LayerNorm):
     """LayerNorm computed in fp32 whatever the parameter dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:  # no casts: each is a dispatched op, even when a no-op
+        if x.dtype == self.weight.dtype in FP32_NORM_DTYPES:
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         weight, bias = self.weight.float(), self.bias.float()  # always there: built with elementwise_affine and bias
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
@@ -98,24 +108,44 @@ class DCFormerRotaryEmbedding(nn.Module):
     @torch.no_grad()
     @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        inv_freq = self.inv_freq  # no casts where there is nothing to cast: each is a dispatched op
+        if inv_freq.device != x.device or inv_freq.dtype != torch.float32:
+            inv_freq = inv_freq.to(device=x.device, dtype=torch.float)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling  # fp32, [B, T, rot]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling == 1.0:
+            return cos, sin  # fp32, [B, T, rot]
+        return cos * self.attention_scaling, sin * self.attention_scaling
 
 
-def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """qk: the queries and keys [2, B, N, T, Dh] (a view); cos/sin: [B, T, rot] (fp32). Rotates the first `rot` dims
-    of both at once, in fp32; returns query and key, each its own contiguous [B, N, T, Dh] tensor."""
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., rot] with its first half negated: "rotate half" (x1, x2) -> (-x2, x1) times sin is then the swapped
+    halves (x2, x1) times it (`apply_rotary`). `DCFormerModel` makes it once per forward pass, for every layer."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 sin_signed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk: the queries and keys [2, B, N, T, Dh] (a view); cos, sin: [B, T, rot] (fp32), and `signed_sin(sin)` where
+    the caller has it. Rotates the first `rot` dims of both at once, in fp32 (half precision is promoted by the
+    products themselves); returns query and key [B, N, T, Dh] in qk's dtype, each contiguous, the two halves of one
+    new tensor (a cache copies the keys it keeps: `DCFormerCacheLayer._append`)."""
     rot = cos.shape[-1]
     if rot == 0:
         return qk[0], qk[1]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = cos.unsqueeze(1), (signed_sin(sin) if sin_signed is None else sin_signed).unsqueeze(1)
     x_rot, x_pass = qk[..., :rot], qk[..., rot:]
-    x_rot = x_rot if qk.dtype == torch.float32 else x_rot.float()  # a cast is a dispatched op, even as a no-op
-    half = rot // 2  # "rotate half": (x1, x2) -> (-x2, x1)
-    x_rot = x_rot * cos + torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1) * sin
-    x_rot = x_rot if x_rot.dtype == qk.dtype else x_rot.to(qk.dtype)
-    return torch.cat((x_rot[0], x_pass[0]), dim=-1), torch.cat((x_rot[1], x_pass[1]), dim=-1)
+    # x cos + rotate_half(x) sin, rotate_half(x) sin = (x2, x1) * signed sin: the halves swapped by a roll
+    x_rot = torch.addcmul(x_rot * cos, x_rot.roll(rot // 2, dims=-1), sin)
+    if x_rot.dtype != qk.dtype and torch.is_grad_enabled() and qk.requires_grad:  # out= records no gradient
+        x_rot = x_rot.to(qk.dtype)
+    if x_rot.dtype == qk.dtype:
+        query_key = torch.cat((x_rot, x_pass), dim=-1)
+    else:  # the concatenation casts to qk's dtype
+        query_key = torch.cat((x_rot, x_pass), dim=-1, out=qk.new_empty(qk.shape))
+    return query_key[0], query_key[1]
 
 
 class DCFormerMLP(nn.Module):
@@ -174,7 +204,7 @@ class DynamicWeightProjection(nn.Module):
         D = self.dw1.shape[0]
         dw1, dd = self.dw1.view(D, -1), self.dd.view(D, -1)
         if x.dtype == torch.float32:
-            return x @ dw1.float(), x @ dd.float()
+            return x @ as_float(dw1), x @ as_float(dd)
         if torch.is_grad_enabled() and (self.dw1.requires_grad or self.dd.requires_grad):
             kept = None  # recorded for the backward pass: built from the parameters
         weight = kept.get("weight") if kept is not None else None
@@ -195,12 +225,12 @@ class DynamicWeightProjection(nn.Module):
         h, diag = self.input_products(x.reshape(B * T, D), kept)
         # bmm for the per-slot second layer (einsum's dispatch costs more than the products at a decode step)
         h = F.gelu(h)  # [BT, GCK]
-        w = torch.bmm(h.view(B * T, G * C, -1).transpose(0, 1), qkw.to(x.dtype).view(G * C, -1, 2 * I * M))
-        w = w.transpose(0, 1).reshape(B, T, G, C, 2 * I, M).float()  # [B, T, G, C, 2I, M]
-        w1, w2 = w[..., :I, :], w[..., I:, :]
-        w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + DW_RMS_EPS)
-        diag = torch.tanh(diag.float())
-        return torch.cat((w1, w2, diag.view(B, T, G, C, 1, M)), dim=4)
+        qkw = qkw if qkw.dtype == x.dtype else qkw.to(x.dtype)
+        w = torch.bmm(h.view(B * T, G * C, -1).transpose(0, 1), qkw.view(G * C, -1, 2 * I * M))
+        w = as_float(w.view(G, C, B, T, 2 * I, M).permute(2, 3, 0, 1, 4, 5))  # [B, T, G, C, 2I, M], a view
+        w1 = F.rms_norm(w[..., :I, :], (M,), eps=DW_RMS_EPS)  # w1 / sqrt(mean over M of w1^2 + eps)
+        diag = torch.tanh(as_float(diag))
+        return torch.cat((w1, w[..., I:, :], diag.view(B, T, G, C, 1, M)), dim=4)
 
 
 class DCFormerAttention(nn.Module):
@@ -223,7 +253,7 @@ class DCFormerAttention(nn.Module):
         if config.use_dcmha:
             self.dyn_w_proj = DynamicWeightProjection(config)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, ...],
                 query_start: int = 0, padding_mask: torch.Tensor | None = None, cache: DCFormerCache | None = None,
                 output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, D = hidden_states.shape
@@ -244,7 +274,7 @@ class DCFormerAttention(nn.Module):
 
         key_start = query_start
         if cache is not None:
-            key, value, key_terms, key_start = cache.update_dcmha(key, value, key_terms, self.layer_idx)
+            key, value, key_terms, key_start = cache.update_dcmha(key, value, key_terms, self.layer_idx, query_start)
         key_padding_mask = None if padding_mask is None else padding_mask[:, key_start : key_start + key.shape[2]]
         inputs = DCMHAInputs(query=query, key=key, value=value, query_terms=query_terms, key_terms=key_terms,
                              query_start=query_start, key_start=key_start, key_padding_mask=key_padding_mask,
@@ -264,7 +294,7 @@ class DCFormerDecoderLayer(GradientCheckpointingLayer):
         self.self_attn = DCFormerAttention(config, layer_idx)
         self.mlp = DCFormerMLP(config)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, ...],
                 query_start: int = 0, padding_mask: torch.Tensor | None = None, cache: DCFormerCache | None = None,
                 output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn_output, probs = self.self_attn(
@@ -384,16 +414,55 @@ class DCFormerPreTrainedModel(PreTrainedModel):
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """One clear error for a token id outside the embedding table (the embedding would say "index out of range in
-    self", or on CUDA fail asynchronously). Two reductions: cheap next to a forward pass; skipped under
+    self", or on CUDA fail asynchronously). Two reductions read at once: cheap next to a forward pass; skipped under
     torch.compile and torch.export, whose graphs cannot branch on values."""
     if input_ids.numel() == 0:
         return
-    low, high = map(int, torch.aminmax(input_ids))
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"input_ids contains the token id {bad}, outside the model's vocabulary of {vocab_size} "
                          f"tokens (valid ids: 0..{vocab_size - 1}); was the text encoded with another model's "
                          "tokenizer?")
+
+
+def keys_padding_mask(attention_mask: torch.Tensor, shape: tuple[int, int], past_length, static_length: int | None,
+                      device: torch.device) -> torch.Tensor | None:
+    """The keys' padding mask (bool, True for real tokens) from a 2D `attention_mask` [batch, past + new tokens]; with
+    a static cache of `static_length` tokens also [batch, static_length] (`create_masks_for_generate`), and in a
+    traced call, where the cache's length is a tensor, any width up to it, padded with ones to the whole cache (the
+    positions after the mask come after every query, which never sees them). None where nothing is padded, but only
+    when running eagerly: under torch.compile and torch.export a branch on its values cannot be traced, and the mask
+    is applied."""
+    (B, T), width = shape, attention_mask.shape[-1]
+    traced_static = isinstance(past_length, torch.Tensor)
+    if traced_static:
+        valid_width, here = width <= static_length, f"[{B}, at most {static_length}]"
+    else:
+        valid_width, here = width in (past_length + T, static_length), f"[{B}, {past_length} + {T}]"
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or not valid_width:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must be a 2D padding mask "
+                         f"[batch, past + new tokens], here {here}")
+    mask = attention_mask.to(device=device, dtype=torch.bool)
+    if not torch.compiler.is_compiling() and bool(mask.all()):
+        return None  # no masked_fill per chunk
+    if not traced_static or width == static_length:  # (an eager call attends to the filled part only)
+        return mask
+    return F.pad(mask, (0, static_length - width), value=True)
+
+
+def default_position_ids(attention_mask: torch.Tensor | None, shape: tuple[int, int], past_length,
+                         device: torch.device) -> torch.Tensor:
+    """The new tokens' positions [B, T]: with a padding mask, real tokens are numbered 0, 1, ... in each row whatever
+    the padding; `past_length` an int or (a traced static cache) a tensor."""
+    B, T = shape
+    new = token_positions(past_length, 0, T, device)
+    if attention_mask is None:
+        return new.unsqueeze(0).expand(B, T)
+    positions = (attention_mask.to(device).long().cumsum(-1) - 1).clamp(min=0)
+    if isinstance(past_length, int):
+        return positions[:, past_length : past_length + T]
+    return positions.index_select(1, new)
 
 
 class DCFormerModel(DCFormerPreTrainedModel):
@@ -435,25 +504,20 @@ class DCFormerModel(DCFormerPreTrainedModel):
         if use_cache and cache is None:
             cache = DCFormerCache(self.config)
         past_length = cache.get_seq_length() if cache is not None else 0
-
+        if isinstance(past_length, torch.Tensor):  # a static cache's length, which its layers advance in place
+            # read once per eager call (chunks, masks and kernels take ints); a traced call keeps a tensor
+            past_length = past_length.clone() if torch.compiler.is_compiling() else int(past_length)
+        if cache is not None and isinstance(past_length, int):
+            cache.check_room(past_length, T)
+        static_length = None if cache is None else cache.max_cache_len
         padding_mask = None
         if attention_mask is not None:
-            if attention_mask.shape != (B, past_length + T):  # a 2D padding mask [batch, past + new tokens]
-                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must be a 2D padding "
-                                 f"mask [batch, past + new tokens], here [{B}, {past_length} + {T}]")
-            padding_mask = attention_mask.to(device=device, dtype=torch.bool)
-            # a mask that pads nothing is dropped (no masked_fill per chunk), but only when running eagerly: under
-            # torch.compile and torch.export a branch on its values cannot be traced, and the mask is applied
-            if not torch.compiler.is_compiling() and bool(padding_mask.all()):
-                padding_mask = None
+            padding_mask = keys_padding_mask(attention_mask, (B, T), past_length, static_length, device)
         if position_ids is None:
-            if attention_mask is not None:  # real tokens are numbered 0, 1, ... in each row, whatever the padding
-                positions = (attention_mask.to(device).long().cumsum(-1) - 1).clamp(min=0)
-                position_ids = positions[:, past_length : past_length + T]
-            else:
-                position_ids = torch.arange(past_length, past_length + T, device=device).unsqueeze(0).expand(B, T)
+            position_ids = default_position_ids(attention_mask, (B, T), past_length, device)
 
-        hidden_states, position_embeddings = inputs_embeds, self.rotary_emb(inputs_embeds, position_ids)
+        cos, sin = self.rotary_emb(inputs_embeds, position_ids)
+        hidden_states, position_embeddings = inputs_embeds, (cos, sin, signed_sin(sin))  # `apply_rotary`'s
         all_hidden_states, all_attentions = () if output_hidden_states else None, () if output_attentions else None
         for layer in self.layers:
             if output_hidden_states:
@@ -517,6 +581,16 @@ class DCFormerForCausalLM(DCFormerPreTrainedModel, GenerationMixin):
         check_cache_implementation(kwargs.get("cache_implementation"))
         check_cache_implementation(getattr(generation_config, "cache_implementation", None))
         return super()._prepare_generation_config(generation_config, **kwargs)
+
+    def create_masks_for_generate(self, config=None, inputs_embeds=None, attention_mask=None, cache=None, **kwargs):
+        """What `generate()` passes the model as its mask when the cache is compileable (DCFormer's static one):
+        transformers would build a 4D mask for its own attention functions; DCFormer takes the 2D padding mask,
+        widened with ones to the static cache's length, so that every decode step has the same shapes (the
+        positions after a step's tokens come after its queries, which never see them)."""
+        length = cache.max_cache_len if isinstance(cache, DCFormerCache) else None
+        if attention_mask is None or attention_mask.dim() != 2 or length is None or attention_mask.shape[-1] >= length:
+            return attention_mask
+        return F.pad(attention_mask, (0, length - attention_mask.shape[-1]), value=1)
 
     def _prepare_model_inputs(self, *args, **kwargs):
         """transformers' own, then a clear error for an empty prompt (`generate()` would fail later with an

@@ -1,5 +1,8 @@
-"""benchmarks/bench_model.py: the training-step sweep (`--sweep --quick`, as a subprocess) and its arguments.
-No timing is asserted: only that the report, the table file, the JSON and the plot are there and well formed."""
+"""The benchmark scripts: bench_model.py (the training-step sweep, `--sweep --quick` as a subprocess, and its
+arguments), profile_shapes.py and bench_train_step.py (several implementations against the baseline, "triton"'s
+chunk and tile settings, static-cache decoding), bench_attention.py ("triton" per chunk size beside the cost model's
+prediction, the machine's ceilings, the kernel split), cuda_check.sh (its steps parse and fit its budget) and
+ab_kernel_source.py. No timing is asserted: only that the reports, tables and JSON are there and well formed."""
 
 import argparse
 import importlib.util
@@ -152,18 +155,27 @@ def test_bad_layer_vocab_and_compile_options_are_argparse_errors(bench, capsys, 
     assert message in capsys.readouterr().err
 
 
-def test_compile_static_decodes_with_the_static_cache_through_a_compiled_forward(bench):
+def test_compile_static_decodes_with_the_static_cache_compiled_by_generate(bench, monkeypatch):
+    """--compile-static: generate() compiles each model's decoding step by itself (its CompileConfig, on any
+    device), with the static cache; the model's forward stays its own (torch.compile stood in for)."""
     args = bench.parse_args(["--quick", "--compile-static"])
     assert args.phases == ["decode"] and args.cache == "static" and args.compile_static
     assert bench.parse_args(["--compile-static", "--cache", "static"]).cache == "static"
     assert bench.parse_args([]).phases == ["prefill", "train", "decode"]  # unchanged without it
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        compiled.append((type(fn.__self__).__name__, kwargs.get("mode")))
+        return fn
+
+    monkeypatch.setattr(bench.torch, "compile", fake_compile)
     dc = bench.dcformer_config(args)
     opts = dict(batch_size=1, decode_prompt=4, decode_new=2, seq_len=8, cache="static", compile_static=True)
     for kind in ("dcformer", "baseline"):
         model = bench.build_model(kind, dc, bench.torch.float32)
-        plain = model.forward
-        bench.make_step(model, "decode", dc, opts)  # not run: compiling takes minutes here
-        assert model.forward is not plain and hasattr(model.forward, "_torchdynamo_orig_callable"), kind
+        bench.make_step(model, "decode", dc, opts)()
+        assert "forward" not in vars(model), kind
+    assert compiled == [("DCFormerForCausalLM", "reduce-overhead"), ("GPTNeoXForCausalLM", "reduce-overhead")]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -284,73 +296,141 @@ def test_bench_train_step_times_each_implementation_against_the_transformer(monk
     assert "nope: not a dcmha_implementation" in capsys.readouterr().err
 
 
-def test_triton_at_tiles_sets_the_kernels_tiles_for_its_own_runs_only(capsys):
-    """`--implementation triton@32x16` (a GPU sweep of the Triton kernels' tiles): "triton" with BLOCK_T x BLOCK_S
-    = 32 x 16 while its step runs, the defaults restored after it, also when it fails; tiles that are not powers of
-    two from 16, or on another implementation, are argparse errors."""
+def test_triton_variants_set_chunks_and_tiles_for_their_own_runs_only(capsys):
+    """`--implementation triton@c64` (chunks of 64 queries) and `triton@8x32` (both kernels' tiles 8 rows x 32 keys),
+    the GPU sweep of the "triton" backend: set while the step runs, the registered backend and the module's tiles
+    restored after it, also when it fails; malformed settings, or settings on another implementation, are argparse
+    errors."""
+    from modeling_dcformer.dcmha import DCMHA_BACKENDS
     from modeling_dcformer.kernels import dcmha_triton
 
-    spec = importlib.util.spec_from_file_location("bench_train_step", ROOT / "benchmarks" / "bench_train_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.parse_args(["--implementation", "triton,triton@32x16"]).implementation == ["triton", "triton@32x16"]
-    for bad in ("triton@24x16", "triton@8x16", "eager@32x16", "triton@32"):
+    module = load_script("bench_train_step")
+    names = ["triton", "triton@c256", "triton@8x32", "triton@c64@4x16"]
+    assert module.parse_args(["--implementation", ",".join(names)]).implementation == names
+    assert module.parse_variant("triton@c64@4x16") == ("triton", {"chunk": 64, "tile": (4, 16)})
+    for bad in ("triton@24x16", "triton@8x8", "eager@c64", "triton@c0", "triton@c", "triton@32", "triton@c64@c128",
+                "nope@c64", "triton@16x32x2"):
         with pytest.raises(SystemExit):
             module.parse_args(["--implementation", bad])
         assert f"{bad}: not a dcmha_implementation" in capsys.readouterr().err
-    defaults = dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S
+    registered = DCMHA_BACKENDS.get("triton")
+    tiles = dcmha_triton.FORWARD_TILE, dcmha_triton.BACKWARD_TILE
     model = type("Model", (), {"config": type("Config", (), {"dcmha_implementation": "auto"})()})()
     seen = []
-    module.with_implementation(model, "triton@32x64", lambda: seen.append(
-        (model.config.dcmha_implementation, dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S)))()
-    module.with_implementation(model, "triton", lambda: seen.append(
-        (model.config.dcmha_implementation, dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S)))()
-    assert seen == [("triton", 32, 64), ("triton", *defaults)]
+
+    def look():
+        backend = DCMHA_BACKENDS.get("triton")
+        seen.append((model.config.dcmha_implementation, backend.chunk_queries, backend is registered,
+                     dcmha_triton.FORWARD_TILE, dcmha_triton.BACKWARD_TILE))
+
+    for name in ("triton@8x32", "triton@c64", "triton@c96@4x64", "triton", "eager"):
+        module.with_implementation(model, name, look)()
+    assert seen == [
+        ("triton", registered.chunk_queries, True, (8, 32), (8, 32)),
+        ("triton", 64, False, *tiles),
+        ("triton", 96, False, (4, 64), (4, 64)),
+        ("triton", registered.chunk_queries, True, *tiles),
+        ("eager", registered.chunk_queries, True, *tiles),
+    ]
+    assert isinstance(DCMHA_BACKENDS.get("triton"), dcmha_triton.TritonBackend)
 
     def fails():
         raise ValueError("the Triton DCMHA kernels do not fit this GPU")
 
     with pytest.raises(ValueError):
-        module.with_implementation(model, "triton@64x64", fails)()
-    assert (dcmha_triton.BLOCK_T, dcmha_triton.BLOCK_S) == defaults
+        module.with_implementation(model, "triton@c32@16x64", fails)()
+    assert DCMHA_BACKENDS.get("triton") is registered
+    assert (dcmha_triton.FORWARD_TILE, dcmha_triton.BACKWARD_TILE) == tiles
 
 
-def cuda_check_steps() -> dict[str, list[str]]:
-    """{step name: its command's words} of benchmarks/cuda_check.sh, its variables ($bench, $dc) filled in."""
-    text = (ROOT / "benchmarks" / "cuda_check.sh").read_text().replace("\\\n", " ")
-    values = {"bench": "benchmarks", "dc": re.search(r'^dc="([^"]*)"', text, re.M).group(1), "per_test": "", "workers": ""}
+def load_script(name: str):
+    """benchmarks/NAME.py as a module (benchmarks/ on sys.path for its imports while it loads)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+CUDA_CHECK = ROOT / "benchmarks" / "cuda_check.sh"
+OUTDIR = "/tmp/cuda-check-out"
+
+
+def cuda_check_steps() -> dict[str, tuple[int, list[str]]]:
+    """{step name: (its time limit, its command's words)} of benchmarks/cuda_check.sh, its variables filled in (the
+    output folder: OUTDIR; the optional pytest options: none)."""
+    text = CUDA_CHECK.read_text().replace("\\\n", " ")
+    values = dict(re.findall(r'^(\w+)="?([^"\n]*)"?$', text, re.M), out=OUTDIR, per_test="", workers="")
     steps = {}
     for line in text.splitlines():
         if line.startswith("step "):
             line = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], line.split("  #")[0])
             words = shlex.split(line)
-            steps[words[1]] = words[3:]
+            steps[words[1]] = (int(words[2]), words[3:])
     return steps
 
 
-def test_cuda_check_runs_the_gpu_tests_first_and_every_benchmark_step_parses(monkeypatch):
-    """A GPU is lent rarely and briefly: benchmarks/cuda_check.sh must not lose its run to a typo. The script is valid
-    bash, its first step after `env` runs the GPU tests, and every benchmark step's arguments (implementation names
-    included) parse with that benchmark's own parser."""
-    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "cuda_check.sh")], check=True)
+def test_cuda_check_measures_ceilings_then_tests_and_every_step_parses_within_the_budget():
+    """A GPU is lent rarely and briefly: benchmarks/cuda_check.sh must not lose its run to a typo or to a step that
+    cannot run. The script is valid bash; its steps are the ceilings, the GPU tests and the Triton kernels' tests
+    (right after the ceilings, before any benchmark), then the benchmarks; every benchmark step's arguments parse with
+    that benchmark's own parser, on CUDA, writing its JSON under OUTDIR; and the steps' limits add up to no more than
+    the default budget of 540 s."""
+    subprocess.run(["bash", "-n", str(CUDA_CHECK)], check=True)
+    text = CUDA_CHECK.read_text()
+    assert re.search(r"^budget=\$\{2:-540\}$", text, re.M)
     steps = cuda_check_steps()
-    assert list(steps)[:2] == ["env", "gpu-tests"]
-    assert steps["gpu-tests"][:4] == ["python3", "-m", "pytest", "-q"] and "gpu" in steps["gpu-tests"]
-    assert (ROOT / steps["gpu-tests"][-1]).is_file()
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    scripts = set()
-    for name, words in steps.items():
-        if name in ("env", "gpu-tests"):
+    assert list(steps)[:3] == ["ceilings", "gpu-tests", "triton-tests"], list(steps)
+    assert sum(limit for limit, _ in steps.values()) <= 540, {name: limit for name, (limit, _) in steps.items()}
+    gpu, triton = steps["gpu-tests"][1], steps["triton-tests"][1]
+    assert gpu[:4] == ["python3", "-m", "pytest", "-q"] and gpu[gpu.index("-m", 3) + 1] == "gpu"
+    assert gpu[-1] == "tests/test_gpu.py" and triton[-1] == "tests/test_dcmha_triton.py"
+    assert "-m" not in triton[3:] and triton[triton.index("-k") + 1] == "not resource_gate"
+    assert all((ROOT / words[-1]).is_file() for words in (gpu, triton))
+    parsed = {}
+    for name, (_, words) in steps.items():
+        if name in ("gpu-tests", "triton-tests"):
             continue
         assert words[0] == "python3" and words[1].startswith("benchmarks/"), (name, words)
-        path = ROOT / words[1]
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        args = module.parse_args(words[2:])  # argparse exits on a bad argument
+        args = load_script(Path(words[1]).stem).parse_args(words[2:])  # argparse exits on a bad argument
         assert args.device == "cuda", name
-        scripts.add(path.name)
-    assert scripts == {"bench_attention.py", "profile_shapes.py", "bench_train_step.py"}
+        assert args.json == f"{OUTDIR}/{name}.json", name
+        parsed[name] = args
+    assert set(parsed) == {"ceilings", "attention", "model-160m", "model-6.9b", "attention-split"}
+    assert parsed["ceilings"].measure_ceilings
+    attention = parsed["attention"]
+    assert attention.implementations == ["triton@c128", "triton@c256", "triton@c512", "triton@cT"]
+    assert attention.scope == "attention" and attention.dtype == "bf16" and attention.phases == ["forward", "fwd+bwd"]
+    assert [(s["name"], s["batch"], s["seq_lens"], s["heads"], s["hidden"] // s["heads"], s["window"])
+            for s in attention.shapes] == [("pythia-160m", 8, [1024], 12, 64, None),
+                                           ("dcpythia-6.9b", 1, [2048], 32, 128, None),
+                                           ("dcpythia-6.9b@w256", 1, [2048], 32, 128, 256)]  # fmt: skip
+    assert attention.ceilings == parsed["attention-split"].ceilings == f"{OUTDIR}/ceilings.json"
+    assert parsed["attention-split"].profile and parsed["attention-split"].shapes[0]["name"] == "dcpythia-6.9b"
+    for name, preset, layers, batch, tokens in (("model-160m", "dcpythia-pythia-160m", 12, 8, 1024),
+                                                ("model-6.9b", "dcpythia-pythia-6.9b", 4, 1, 2048)):  # fmt: skip
+        args = parsed[name]
+        assert (args.preset, args.layers, args.batch, args.seq_len) == (preset, layers, batch, tokens), name
+        assert args.phases.split(",") == ["prefill", "train", "decode", "decode-static"], name
+        assert args.implementation == ["triton"] and args.decode_implementation == ["auto"], name
+
+
+def test_cuda_check_reports_a_failing_step_and_records_it(tmp_path):
+    """The step mechanics: a step that fails (here on a machine without CUDA, or passing with one) is reported with
+    its exit code on stdout and in OUTDIR/steps.json, its output goes to the log, the steps not asked for do not run."""
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(CUDA_CHECK), str(out), "60", "ceilings"], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads((out / "steps.json").read_text())
+    assert [r["step"] for r in records] == ["ceilings"] and records[0]["limit"] == 25
+    rc = records[0]["rc"]
+    assert f"rc {rc} in" in proc.stdout and "== done" in proc.stdout, proc.stdout
+    assert "== ceilings (limit 25 s)" in (out / "cuda_check.log").read_text()
+    assert (out / "ceilings.json").is_file() == (rc == 0)
 
 
 @pytest.fixture(scope="module")
@@ -440,9 +520,11 @@ def test_several_timing_processes_report_the_median_of_their_ratios(bench, monke
         return {"baseline": dict(info, times=[base], median=base), "dcformer": dict(info, times=[dc], median=dc)}
 
     monkeypatch.setattr(bench, "measure_time", fake_time)
-    monkeypatch.setattr(bench, "measure_memory", lambda kind, phase, cfg, opts: dict(peak_bytes=2**20, memory_method="fake"))
+    monkeypatch.setattr(bench, "measure_memory",
+                        lambda kind, phase, cfg, opts: dict(peak_bytes=2**20, memory_method="fake"))
     monkeypatch.setattr(bench, "run_in_fresh_process", lambda fn, *args: fn(*args))
-    summary = bench.run_benchmark(["--quick", "--phases", "prefill,decode", "--processes", "3"], out=sys.stdout, log=None)
+    summary = bench.run_benchmark(["--quick", "--phases", "prefill,decode", "--processes", "3"], out=sys.stdout,
+                                  log=None)
     out = capsys.readouterr().out
     assert calls == ["prefill"] * 3 + ["decode"] * 3
     assert summary["processes"] == 3
@@ -498,9 +580,268 @@ def test_profile_shapes_parts_split_each_models_forward_time_by_layer_part(monke
             assert neox > 0 and dc > 0, (part, out)
     assert table["dynamic-weight projection"][0] == 0 and table["dynamic-weight projection"][1] > 0
     for column in (0, 1):
-        projections = sum(table[p][column] for p in ("q/k/v projection", "output projection", "dynamic-weight projection"))
+        projections = sum(table[p][column]
+                          for p in ("q/k/v projection", "output projection", "dynamic-weight projection"))
         assert table["attention"][column] > projections
         assert table["attention: the rest"][column] == pytest.approx(table["attention"][column] - projections, abs=2e-3)
         assert table["total"][column] > table["attention"][column] + table["MLP"][column]
     for model in built.values():
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench_attention.py: "triton" per chunk size beside the cost model's prediction, the ceilings, the kernel split
+# ---------------------------------------------------------------------------------------------------------------
+ATTENTION_COLUMNS = ["shape", "batch x T", "window", "phase", "implementation", "ms", "/ SDPA", "predicted ms",
+                     "measured / predicted", "peak MiB"]  # fmt: skip
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU: Triton's interpreter (conftest.py)
+
+
+@pytest.fixture
+def triton_runs_here():
+    from modeling_dcformer.kernels import dcmha_triton
+
+    if not dcmha_triton.available(TRITON_DEVICE):
+        pytest.skip(f"the Triton kernels cannot run here: {dcmha_triton.unsupported(torch.device(TRITON_DEVICE), 1)}")
+    return dcmha_triton
+
+
+def markdown_table(text: str, header_first: str) -> tuple[list[str], list[list[str]]]:
+    """(header cells, data rows' cells) of the markdown table of `text` whose header starts with `header_first`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header_first} |"))
+    cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("| "):
+            break
+        rows.append(cells(line))
+    return cells(lines[start]), rows
+
+
+def tiny_prediction(cost_model, T: int, backward: bool, window=None) -> float:
+    """The cost model's own milliseconds for the tiny test shape's attention (its chunks: the memory budget's)."""
+    shape = dict(hidden=32, heads=2, mlp=128, groups=1, rank=2, batch=1, tokens=T)
+    return sum(w.seconds(cost_model.H200, "fp32") for w in cost_model.attention(shape, "fp32", window, backward)) * 1e3
+
+
+def test_bench_attention_times_triton_per_chunk_size_beside_the_cost_models_prediction(
+        triton_runs_here, tmp_path, capsys, monkeypatch, one_thread_each_test):  # fmt: skip
+    """`--chunks 8,T`: one "triton" row per chunk size (the backend really runs chunks of 8 and of all 16 queries),
+    each with the cost model's prediction for that chunk size and measured / predicted; the other rows have none;
+    the JSON holds the same rows."""
+    dcmha_triton = triton_runs_here
+    module = load_script("bench_attention")
+    chunks = []
+    own = dcmha_triton.Call.__init__
+
+    def spy(self, *args, **kwargs):
+        own(self, *args, **kwargs)
+        chunks.append(self.chunk)
+
+    monkeypatch.setattr(dcmha_triton.Call, "__init__", spy)
+    out_json = tmp_path / "attention.json"
+    argv = ["--device", TRITON_DEVICE, "--hidden-size", "32", "--heads", "2", "--seq-lens", "16", "--batch-size", "1",
+            "--implementations", "eager,triton", "--chunks", "8,T", "--repeats", "1", "--json", str(out_json)]
+    assert module.main(argv) == 0
+    header, rows = markdown_table(capsys.readouterr().out, "shape")
+    assert header == ATTENTION_COLUMNS
+    labels = ["SDPA", "eager", "triton@c8", "triton@cT"]
+    assert [(r[3], r[4]) for r in rows] == [(phase, label) for phase in ("forward", "fwd+bwd") for label in labels]
+    assert set(chunks) == {8, 16}
+    for r in rows:
+        assert r[:3] == ["32/2", "1 x 16", "-"] and float(r[5]) > 0 and re.fullmatch(r"\d+\.\d\dx", r[6]), r
+        if r[4].startswith("triton"):
+            assert float(r[7]) > 0 and re.fullmatch(r"\d+\.\d\dx", r[8]), r
+        else:
+            assert r[7] == r[8] == "-", r
+        assert r[9] == ("-" if TRITON_DEVICE == "cpu" else r[9])
+    summary = json.loads(out_json.read_text())
+    assert summary["scope"] == "layer" and summary["machine"]["name"] == "H200"
+    triton_rows = {(r["phase"], r["chunk"]): r for r in summary["rows"] if r["implementation"].startswith("triton")}
+    assert sorted(triton_rows) == [("forward", 8), ("forward", 16), ("fwd+bwd", 8), ("fwd+bwd", 16)]
+    cost_model = module.cost_model
+    for (phase, chunk), r in triton_rows.items():
+        assert r["measured_over_predicted"] == pytest.approx(r["ms"] / r["predicted_ms"])
+        assert r["predicted_ms"] == r["predicted_h200_ms"]  # no --ceilings: the H200's rates
+    for phase in ("forward", "fwd+bwd"):  # the whole call is the budget's chunk at this size: the model's own number
+        want = tiny_prediction(cost_model, 16, phase != "forward")
+        assert triton_rows[phase, 16]["predicted_ms"] == pytest.approx(want)
+        assert triton_rows[phase, 8]["predicted_ms"] > triton_rows[phase, 16]["predicted_ms"]  # twice the launches
+    assert [(r["phase"], r["implementation"]) for r in summary["rows"]] == [(r[3], r[4]) for r in rows]
+
+
+def test_bench_attention_alone_with_a_window_a_tile_and_the_kernel_split(
+        triton_runs_here, capsys, monkeypatch, one_thread_each_test):  # fmt: skip
+    """`--scope attention --profile` with "triton@4x32" on a local layer: the attention call alone against SDPA, the
+    kernels launched at the 4 x 32 tile (restored afterwards), the prediction at that tile, and the profiled run
+    split into products, each Triton kernel of the phase and the rest, each part with its prediction."""
+    dcmha_triton = triton_runs_here
+    module = load_script("bench_attention")
+    tiles = []
+    launch = dcmha_triton.Chunk.launch
+
+    def spy(self, kernel, tile, *args, **kwargs):
+        tiles.append(tile)
+        return launch(self, kernel, tile, *args, **kwargs)
+
+    monkeypatch.setattr(dcmha_triton.Chunk, "launch", spy)
+    default = dcmha_triton.FORWARD_TILE, dcmha_triton.BACKWARD_TILE
+    argv = ["--device", TRITON_DEVICE, "--hidden-size", "32", "--heads", "2", "--seq-lens", "16", "--window", "4",
+            "--scope", "attention", "--implementations", "triton@4x32", "--repeats", "1", "--profile"]  # fmt: skip
+    assert module.main(argv) == 0
+    assert set(tiles) == {(4, 32)} and (dcmha_triton.FORWARD_TILE, dcmha_triton.BACKWARD_TILE) == default
+    text = capsys.readouterr().out
+    assert "the attention call," in text
+    _, rows = markdown_table(text, "shape")
+    assert [(r[2], r[3], r[4]) for r in rows] == [("4", ph, impl) for ph in ("forward", "fwd+bwd")
+                                                  for impl in ("SDPA", "triton@4x32")]  # fmt: skip
+    with module.triton_settings(tile=(4, 32)):
+        want = {phase: tiny_prediction(module.cost_model, 16, phase != "forward", window=4)
+                for phase in ("forward", "fwd+bwd")}  # fmt: skip
+    with module.triton_settings(tile=(16, 16)):  # the tile counts: another one, another prediction
+        assert want["forward"] != pytest.approx(tiny_prediction(module.cost_model, 16, False, window=4))
+    for r in rows[1::2]:
+        assert float(r[7]) == pytest.approx(want[r[3]], abs=1e-3)
+    header, split = markdown_table(text, "shape | batch x T | phase | implementation | part")
+    assert header[4:] == ["part", "measured ms", "predicted ms", "measured / predicted"]
+    parts = {(r[2], r[4]): r for r in split}
+    kernels = {"forward": ["_fwd_probs", "_fwd_stats"], "fwd+bwd": ["_bwd_grads", "_bwd_stats", "_fwd_probs",
+                                                                     "_fwd_stats"]}  # fmt: skip
+    for phase, names in kernels.items():
+        got = [part for ph, part in parts if ph == phase]
+        assert got[0] == "matrix products (cuBLAS)" and got[1:-2] == names and got[-1] == "total", got
+        for part in got[:-2]:
+            assert float(parts[phase, part][6]) > 0, parts[phase, part]  # each predicted
+        total = parts[phase, "total"]
+        assert float(total[5]) == pytest.approx(sum(float(parts[phase, p][5]) for p in got[:-1]), abs=2e-3)
+        assert float(total[6]) == pytest.approx(float(next(r for r in rows if r[3] == phase and r[4] != "SDPA")[7]),
+                                                abs=1e-3)  # fmt: skip
+
+
+def test_kernel_names_fall_in_the_parts_of_the_split():
+    """torch.profiler's CUDA kernel names: the Triton kernels by name, cuBLAS's products (its gemm kernels and
+    Hopper's nvjet ones), SDPA's flash and cuDNN kernels, and everything else; the parts sum to the total."""
+    module = load_script("bench_attention")
+    names = {
+        "_fwd_stats": "_fwd_stats", "_bwd_grads": "_bwd_grads",
+        "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN": "matrix products (cuBLAS)",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas": "matrix products (cuBLAS)",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8>":
+            "matrix products (cuBLAS)",
+        "aten::bmm": "matrix products (cuBLAS)",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>": "SDPA kernels",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "SDPA kernels",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": module.OTHER,
+        "Memcpy DtoD (Device -> Device)": module.OTHER,
+    }  # fmt: skip
+    assert {name: module.part_of(name) for name in names} == names
+    measured = {"_fwd_stats": 1.0, "nvjet_a": 2.0, "sm90_xmma_gemm_b": 3.0, "fill": 0.5}
+    prediction = {"q.k": 1.0, "p.v": 1.5, "_fwd_stats": 0.25, "_fwd_probs": 0.5, "key partials summed": 0.1,
+                  "total": 3.35}  # fmt: skip
+    assert module.split(measured, prediction) == [
+        ("matrix products (cuBLAS)", 5.0, 2.5), ("_fwd_probs", 0.0, 0.5), ("_fwd_stats", 1.0, 0.25),
+        (module.OTHER, 0.5, 0.1), ("total", 6.5, 3.35)]  # fmt: skip
+
+
+def test_ceilings_are_measured_and_scale_the_predictions(tmp_path, capsys, one_thread_each_test):
+    """`--measure-ceilings` (here on the CPU, small sizes): the copy and GEMM rates, printed beside the H200's and
+    written as JSON; `--ceilings FILE` makes them the cost model's rates, and a missing file keeps the H200's with a
+    note."""
+    module = load_script("bench_attention")
+    out_json = tmp_path / "ceilings.json"
+    assert module.main(["--measure-ceilings", "--json", str(out_json)]) == 0
+    header, rows = markdown_table(capsys.readouterr().out, "ceiling")
+    assert header == ["ceiling", "measured", "the cost model's H200"] and len(rows) == 3
+    ceilings = json.loads(out_json.read_text())
+    assert ceilings["copy_bytes_per_s"] > 0 and set(ceilings["gemm_flops_per_s"]) == {"bf16", "fp32"}
+    assert all(rate > 0 for rate in ceilings["gemm_flops_per_s"].values())
+    machine, note = module.machine_from(str(out_json))
+    assert machine.hbm == ceilings["copy_bytes_per_s"] and machine.cuda == ceilings["gemm_flops_per_s"]["fp32"]
+    assert machine.gemm["bf16"] == machine.gemm["fp16"] == ceilings["gemm_flops_per_s"]["bf16"]
+    assert "measured ceilings" in note and machine.l2 == module.cost_model.H200.l2
+    spec = module.parse_args(["--shapes", "pythia-160m"]).shapes[0]
+    config = module.make_config(spec, module.parse_args([]), True)
+    slow = module.predicted(spec, config, 1024, "bf16", "forward", {}, machine)["total"]
+    fast = module.predicted(spec, config, 1024, "bf16", "forward", {}, module.cost_model.H200)["total"]
+    assert slow > 10 * fast  # a CPU's rates, far below an H200's
+    machine, note = module.machine_from(str(tmp_path / "missing.json"))
+    assert machine is module.cost_model.H200 and "unreadable" in note
+
+
+def test_bench_attention_replaces_triton_by_its_chunk_sizes():
+    module = load_script("bench_attention")
+    args = module.parse_args(["--implementations", "eager,triton,triton@8x32", "--chunks", "64,T"])
+    assert args.implementations == ["eager", "triton@c64", "triton@cT", "triton@8x32"]
+    assert [module.resolve(label, 512) for label in args.implementations] == [
+        ("eager", {}), ("triton", {"chunk": 64}), ("triton", {"chunk": 512}), ("triton", {"tile": (8, 32)})]
+    assert module.parse_args(["--implementations", "triton@cT@4x16"]).implementations == ["triton@cT@4x16"]
+    assert module.parse_args(["--device", "cuda"]).implementations == ["eager", "compiled", "triton"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chunks", "128,T"], "--chunks sets triton's chunk sizes"),
+    (["--implementations", "triton", "--chunks", "0"], "is not a positive number of queries or T"),
+    (["--implementations", "triton", "--chunks", "64,t"], "is not a positive number of queries or T"),
+    (["--implementations", "eager@c64"], "unknown 'eager@c64'"),
+    (["--shapes", "pythia-7b"], "is not NAME or NAME@wWINDOW"),
+    (["--shapes", "pythia-160m@256"], "is not NAME or NAME@wWINDOW"),
+])  # fmt: skip
+def test_bad_bench_attention_options_are_argparse_errors(argv, message, capsys):
+    module = load_script("bench_attention")
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# profile_shapes.py: decoding with the static cache through a compiled forward, decoding's own implementations
+# ---------------------------------------------------------------------------------------------------------------
+def test_profile_shapes_decodes_static_compiled_by_generate_with_its_own_implementations(
+        monkeypatch, tmp_path, capsys):  # fmt: skip
+    """`--phases prefill,decode-static --implementation eager --decode-implementation auto,eager`: prefill times
+    "eager" alone; decode-static times both decoding implementations, each model's generate() compiling its decoding
+    step by itself (torch.compile stood in for: compiling takes minutes here) with a static cache, every model's
+    forward its own; the JSON holds both phases."""
+    module = load_script("profile_shapes")
+    compiled, caches, built = [], [], []
+
+    def fake_compile(fn, **kwargs):
+        def wrapper(*args, **kw):
+            cache = kw.get("past_key_values", kw.get("cache"))
+            caches.append((type(cache).__name__, cache.get_max_length()))  # -1 for a growing cache
+            return fn(*args, **kw)
+
+        compiled.append(fn.__self__)
+        return wrapper
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    real_build = module.build
+    monkeypatch.setattr(module, "build", lambda *a: built.append(real_build(*a)) or built[-1])
+    out_json = tmp_path / "model.json"
+    argv = ["--preset", "dcpythia-pythia-70m", "--layers", "1", "--vocab", "128", "--dtype", "fp32", "--seq-len", "16",
+            "--phases", "prefill,decode-static", "--decode-prompt", "4", "--decode-new", "2", "--repeats", "1",
+            "--implementation", "eager", "--decode-implementation", "auto,eager", "--json", str(out_json)]
+    assert module.main(argv) == 0
+    lines = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines() if ": NeoX " in line}
+    assert re.search(r"NeoX +[\d.]+ ms +DC +[\d.]+ ms +DC/NeoX [\d.]+$", lines["prefill"]), lines
+    assert re.search(r"NeoX +[\d.]+ ms +DC\[auto\] +[\d.]+ ms +DC\[eager\] +[\d.]+ ms +DC\[auto\]/NeoX [\d.]+ "
+                     r"+DC\[eager\]/NeoX [\d.]+$", lines["decode-static"]), lines  # fmt: skip
+    # generate() compiles once per model (DCFormer's two implementations share its compiled call: Dynamo's guards
+    # on the config recompile where they differ)
+    assert sorted(type(m).__name__ for m in compiled) == ["DCFormerForCausalLM", "GPTNeoXForCausalLM"]
+    assert {name for name, _ in caches} == {"StaticCache", "DCFormerCache"}, caches
+    assert all(length >= 4 + 2 - 1 for _, length in caches), caches  # static: room for the prompt and the tokens
+    assert all("forward" not in vars(model) for model in built)
+    summary = json.loads(out_json.read_text())
+    assert [p["phase"] for p in summary["phases"]] == ["prefill", "decode-static"]
+    assert summary["phases"][1]["implementations"] == {"DC[auto]": "auto", "DC[eager]": "eager"}
+    assert set(summary["phases"][1]["ratio"]) == {"DC[auto]", "DC[eager]"}
+
+
+def test_profile_shapes_refuses_an_unknown_phase(capsys):
+    module = load_script("profile_shapes")
+    with pytest.raises(SystemExit):
+        module.parse_args(["--phases", "prefill,decode-compiled"])
+    assert "--phases: unknown decode-compiled" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 in test_dcmha_backends.py):
 
 - `compose` (the Compose maths, written once) against the oracle's `oracle_compose`: query- and key-wise, groups,
-  one query (a decode step), precomputed hidden values;
+  one query (a decode step), precomputed hidden values, and its two formulations (per head and rank, as the compiled
+  stages run it; batched over the heads, as "eager" runs chunks of few queries) against each other;
 - the compiled stages do not recompile for new lengths or batch sizes;
 - `compose_backward` (the written-out gradient of a Compose step) against autograd through the oracle's Compose;
 - a whole model through Inductor itself (the generated C++ kernels), forward and backward (marked slow).
@@ -16,7 +17,7 @@ from modeling_dcformer import dcmha
 from modeling_dcformer.dcmha import DCMHAInputs
 from modeling_dcformer.dcmha_base import visible_keys
 from modeling_dcformer.dcmha_compiled import COMPILED, compose_backward
-from modeling_dcformer.dcmha_eager import compose, compose_hidden
+from modeling_dcformer.dcmha_eager import compose, compose_hidden, pair_terms
 from oracle import oracle_causal_lm, oracle_compose
 
 pytestmark = pytest.mark.usefixtures("one_thread_each_test")
@@ -42,7 +43,29 @@ def test_compose_matches_oracle(key_wise, groups, T):
     hidden = compose_hidden(A.view(B, groups, M, T, S), q_last, k_last, I)
     staged = compose(A.view(B, groups, M, T, S), q_last, k_last, I, hidden=hidden).view(B, N, T, S)
     torch.testing.assert_close(staged, ref, atol=1e-12, rtol=1e-12)
+    # and so does the batched formulation, on the factors paired at every (t, s)
+    batched = compose(A.view(B, groups, M, T, S), None, None, I, pairs=pair_terms(q_last, k_last, S))
+    torch.testing.assert_close(batched.view(B, N, T, S), ref, atol=1e-12, rtol=1e-12)
     assert (out - A).abs().max() > 1e-2  # the composition moves the scores: the test can fail
+
+
+@pytest.mark.parametrize("key_wise", [True, False])
+def test_compose_formulations_agree_in_float32_for_both_slots_at_once(key_wise):
+    """What "eager" runs for a chunk of few queries (both slots' factors paired in one `pair_terms` call, each slot
+    composed batched over the heads) against the loop over heads and ranks the compiled stages run, in fp32 at a
+    DCPythia-6.9B group (32 heads, rank 2), one query and four."""
+    B, G, M, S, I = 2, 1, 32, 37, 2
+    gen = torch.Generator().manual_seed(5)
+    for T in (1, 4):
+        A = torch.randn(B, G, M, T, S, generator=gen)
+        qt = torch.randn(B, G, 2, 2 * I + 1, M, T, generator=gen) * 0.3  # two slots, time last
+        kt = torch.randn(B, G, 2, 2 * I + 1, M, S, generator=gen) * 0.3 if key_wise else None
+        sides, diagonal = pair_terms(qt, kt, S)
+        for slot in (0, 1):
+            loop = compose(A, qt[:, :, slot], None if kt is None else kt[:, :, slot], I)
+            batched = compose(A, None, None, I, pairs=(sides[:, :, slot], diagonal[:, :, slot]))
+            torch.testing.assert_close(batched, loop, atol=1e-5, rtol=1e-5)
+            assert (loop - A).abs().max() > 1e-1  # the composition moves the scores: the test can fail
 
 
 @pytest.mark.parametrize("fill", [None, -1e30, 0.0], ids=["no-mask", "pre-softmax-mask", "post-softmax-mask"])
