@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from transformers.utils import logging
 
 from modeling_dcformer.checkpoints import atomic_dir
+from modeling_dcformer.checkpoints.weight_files import check_shard_names
 
 logger = logging.get_logger(__name__)
 
@@ -97,7 +98,8 @@ def read_config(src: Path) -> dict:
 
 
 def weight_files(src: Path) -> list[Path]:
-    """The checkpoint's weight files in order: from an index if there is one, else the single file."""
+    """The checkpoint's weight files in order: from an index if there is one, else the single file. An index naming
+    a file outside `src` (an absolute path, a ".." part: `check_shard_names`) is refused before anything is read."""
     for index_name, single in (
         ("model.safetensors.index.json", "model.safetensors"),
         ("pytorch_model.bin.index.json", "pytorch_model.bin"),
@@ -107,6 +109,7 @@ def weight_files(src: Path) -> list[Path]:
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ValueError(f"{index} has no weight_map of tensor names to file names")
+            check_shard_names(index, weight_map)
             names = sorted(set(weight_map.values()))
             missing = [name for name in names if not (src / name).is_file()]
             if missing:
@@ -311,7 +314,7 @@ def output_directory(dst, overwrite: bool = False, source: Path | None = None):
     once instead of waiting hours for the first; a failed write (a full disk) is one line naming `dst`."""
     real = check_destination(dst, overwrite, source)
     real.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(real.with_name(f".{real.name}.lock")), timeout=0)  # the lock atomic_dir.replacing takes
+    lock = FileLock(str(atomic_dir.lock_file(real)), timeout=0)  # the lock atomic_dir.replacing takes
     try:
         lock.acquire()
     except Timeout:

@@ -20,6 +20,7 @@ The pipeline, in order:
 import argparse
 import shutil
 import sys
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -48,6 +49,7 @@ from modeling_dcformer.conversion.common import (
     write_shareable,
 )
 from modeling_dcformer.publishing import HubUploadError, check_repo_id
+from modeling_dcformer.publishing.saving import stamp_indexes
 
 logger = logging.get_logger(__name__)
 
@@ -197,7 +199,7 @@ class Converter:
         try:
             cls(args.src, args.dst, options).run()
         except HubUploadError as err:  # the output is complete: one line with the command that retries the upload
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err.for_command_line(token_given=options.token is not None)}", file=sys.stderr)
             return 3
         except (ValueError, OSError) as err:
             print(f"error: {err}", file=sys.stderr)
@@ -294,10 +296,13 @@ class Converter:
 
     def finalize(self, tmp: Path) -> None:
         """The complete output in `tmp`: the config with the fingerprint of the weights written (which weights the
-        conversion made: a model card written later can tell whether they changed since), the source's tokenizer and
-        generation config files, the remote code and the model card."""
+        conversion made: a model card written later can tell whether they changed since) and a new `save_id`, also in
+        the shard index (as a save has: a load by the remote code alone refuses the config of one conversion with the
+        weights of the next), the source's tokenizer and generation config files, the remote code and the model card."""
         self.config.conversion = {**self.config.conversion, "weights": checkpoint_fingerprint(tmp, self.config)}
+        self.config.save_id = uuid.uuid4().hex
         self.config.save_pretrained(tmp)
+        stamp_indexes(tmp, self.config.save_id)
         copied = copy_tokenizer_files(self.src_dir, tmp)
         logger.info(f"copied tokenizer files: {copied}")
         options = self.options

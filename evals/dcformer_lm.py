@@ -31,6 +31,10 @@ MODEL_NAME = "dcformer"
 logger = logging.getLogger(__name__)
 
 
+class TokenizerLoadError(OSError):
+    """The tokenizer of a `dcformer` model did not load, or encodes no text (`dcformer-eval` prints it as one line)."""
+
+
 class DCFormerLM(HFLM):
     """lm-eval's HFLM for DCFormer / DCPythia checkpoints (a path, a Hub id, or an in-memory model)."""
 
@@ -57,11 +61,13 @@ class DCFormerLM(HFLM):
         try:
             super()._create_tokenizer(pretrained, tokenizer, *args, **kwargs)
         except (OSError, ValueError, TypeError, AssertionError) as err:
-            raise OSError(f"could not load a tokenizer from {where!r} ({err}). {hint}") from err
+            raise TokenizerLoadError(f"could not load a tokenizer from {where!r} ({err}). {hint}") from err
         # transformers builds an empty tokenizer for some model types (GPT-NeoX) from a directory without
         # tokenizer files: every text would then encode to nothing.
         if where is not None and not self.tokenizer("Hello world", add_special_tokens=False)["input_ids"]:
-            raise OSError(f"the tokenizer loaded from {where!r} encodes no text (no vocabulary files there). {hint}")
+            raise TokenizerLoadError(
+                f"the tokenizer loaded from {where!r} encodes no text (no vocabulary files there). {hint}"
+            )
 
 
 def register() -> None:
@@ -72,4 +78,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["DCFormerLM", "MODEL_NAME", "register"]
+__all__ = ["DCFormerLM", "MODEL_NAME", "TokenizerLoadError", "register"]

@@ -6,7 +6,7 @@ lists them before lm-eval's help): the model name `dcformer` (see evals/dcformer
 evals/tasks (`lambada_openai_local`, `piqa_local`, `hellaswag_local`, the tag `dcformer_local` for those three,
 and `dcformer_gen_local`) reading `--metadata data_dir=DIR`; and checks made before the model loads (task names,
 --limit, --num_fewshot, the data directory, data sets that the Hub would have to serve while it cannot, the model
-and its tokenizer), each fault one line `error: ...` with exit code 2:
+and its files, --batch_size, --device, --output_path), each fault one line `error: ...` with exit code 2:
 
     dcformer-eval run --model dcformer --model_args pretrained=Caiyun-AI/DCPythia-6.9B,dtype=float16 \\
         --tasks lambada_openai,piqa,hellaswag --batch_size 16 --device cuda:0 --output_path results/dcpythia-6.9b
@@ -15,6 +15,11 @@ and its tokenizer), each fault one line `error: ...` with exit code 2:
     dcformer-eval run --model dcformer --model_args pretrained=./my-dcformer --device cpu \\
         --tasks dcformer_local --metadata data_dir=/data/evals      # offline (or DCFORMER_EVAL_DATA=/data/evals)
     dcformer-eval ls tasks
+
+`--output_path DIR` puts a run's results in DIR/<model>/results_<date>.json (`results_folder_name`: the local
+model's folder name, or namespace__name for a Hub id; lm-eval itself would name `./NAME` as the hidden `.__NAME`),
+written beside and renamed into place; the run prints `results: FILE` last, or exits 1 with one line if the file
+could not be written.
 
 The same runs as `python -m modeling_dcformer.evals.harness ...` or as a file, `python evals/harness.py ...`.
 
@@ -170,6 +175,126 @@ def check_num_fewshot(num_fewshot) -> None:
         )
 
 
+def check_batch_size(batch_size) -> None:
+    """lm-eval's batch size: a whole number >= 1, "auto" (the largest that fits, found once) or "auto:N" (found
+    again N times in the run); None leaves the default (1)."""
+    if batch_size is None:
+        return
+    text = str(batch_size).strip()
+    mode, colon, times = text.partition(":")
+    if isinstance(batch_size, bool):
+        ok = False
+    elif mode == "auto":
+        ok = not colon or _positive_number(times)
+    else:
+        ok = not colon and text.isdigit() and int(text) >= 1
+    if not ok:
+        raise ValueError(
+            f"--batch_size {text or repr(text)}: give a number of rows >= 1 (e.g. 8), 'auto' (the largest that fits) "
+            "or 'auto:N' (found again N times during the run)"
+        )
+
+
+def _positive_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def available_devices() -> list[str]:
+    """The devices this process can place a model on, as `--device` names them (cpu, cuda:N, mps, xpu:N, ...)."""
+    import torch
+
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devices.append("mps")
+    for kind in ("xpu", "npu", "hpu"):
+        backend = getattr(torch, kind, None)
+        if backend is not None and getattr(backend, "is_available", lambda: False)():
+            devices += [f"{kind}:{i}" for i in range(backend.device_count())]
+    return devices
+
+
+def check_device(device) -> None:
+    """`--device` names a device this machine has: lm-eval takes `cuda` without a GPU (and fails once the model is
+    loaded) and silently uses another device for a name it does not know (`cuda:5` on a one-GPU machine)."""
+    if device is None:
+        return
+    import torch
+
+    name = str(device).strip()
+    available = available_devices()
+    try:
+        parsed = torch.device(name)
+    except (RuntimeError, ValueError):
+        parsed = None
+    if parsed is not None:
+        kind, index = parsed.type, parsed.index
+        if kind == "cpu" and index in (None, 0):
+            return
+        if kind == "mps" and index in (None, 0) and "mps" in available:
+            return
+        if index is None and any(d.startswith(f"{kind}:") for d in available):
+            return
+        if f"{kind}:{index}" in available:
+            return
+    if parsed is not None and parsed.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"--device {name}: {why}; give --device cpu (devices here: {', '.join(available)})")
+    raise ValueError(f"--device {name}: not a device of this machine; give one of {', '.join(available)}")
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output_path(output_path) -> Path | None:
+    """Before the model loads: results can be written where `output_path` points (a directory, or a `.json` file
+    whose directory gets the results). Returns that directory (None: no output path). The directory and its parents
+    need not exist yet; the nearest existing one must be a directory this process can create entries in (tried
+    with an empty folder, removed at once)."""
+    import tempfile
+
+    if output_path is None or str(output_path) == "":
+        return None
+    target = Path(output_path).expanduser()
+    folder = target.parent if target.suffix == ".json" else target
+    existing = _nearest_existing(Path(os.path.abspath(folder)))
+    if not existing.is_dir():
+        what = "a file" if existing.exists() else "a broken link"
+        raise NotADirectoryError(
+            f"--output_path {output_path}: {existing} is {what}, not a directory: give a directory"
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dcformer-eval-", dir=existing))
+    except OSError as err:
+        raise PermissionError(
+            f"--output_path {output_path}: cannot write in {existing} ({err.strerror or err}): give a directory you "
+            "can write"
+        ) from None
+    return folder
+
+
+def results_folder_name(model_name: str | None) -> str:
+    """The folder of a model's results under `--output_path DIR` (DIR/<this>/results_<date>.json): a local model's
+    own folder name (`./my-dcformer`, `/data/my-dcformer/` -> `my-dcformer`), else lm-eval's name for a Hub id
+    (`Caiyun-AI/DCPythia-6.9B` -> `Caiyun-AI__DCPythia-6.9B`); never a hidden name (lm-eval turns `./NAME` into
+    `.__NAME`)."""
+    from lm_eval.utils import sanitize_model_name
+
+    name = str(model_name or "").strip()
+    local = name.startswith((".", "/", "~")) or os.path.isabs(name) or os.path.isdir(name)
+    if local:
+        name = Path(name).expanduser().resolve().name
+    return sanitize_model_name(name).lstrip(".") or "model"
+
+
 def check_task_names(tasks) -> list:
     """The requested names, flattened; an empty list or an empty name (a stray comma) is refused here, before
     anything loads. Whether each name exists is `check_tasks`' question (it needs the task index)."""
@@ -220,6 +345,8 @@ def hub_unreachable() -> str | None:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                        "added_tokens.json")
 
 
 def check_model_source(pretrained, tokenizer=None, model_args: dict | None = None) -> None:
@@ -242,6 +369,26 @@ def check_model_source(pretrained, tokenizer=None, model_args: dict | None = Non
         _check_source(os.fspath(tokenizer), "tokenizer", "tokenizer_config.json", need_tokenizer=True)
 
 
+def _check_readable(folder: Path, option: str, files: Sequence[str]) -> None:
+    """Each of `files` present in `folder` parses (JSON; tokenizer.json as the `tokenizers` library reads it): a
+    corrupt file is refused here, not after lm-eval has started loading."""
+    for file in files:
+        path = folder / file
+        if not path.is_file():
+            continue
+        try:
+            if file == "tokenizer.json":
+                from tokenizers import Tokenizer
+
+                Tokenizer.from_file(str(path))
+            else:
+                json.loads(path.read_text(encoding="utf-8"))
+        except Exception as err:  # noqa: BLE001 -- json, UnicodeDecodeError, OSError, or the tokenizers library's
+            hint = ("save the model again" if file == "config.json" else
+                    "save the tokenizer again, or give tokenizer=<directory or Hub id> in --model_args")
+            raise ValueError(f"{path} ({option}) cannot be read ({_one_line(err)}): {hint}") from None
+
+
 def _check_source(name: str, what: str, hub_file: str, need_tokenizer: bool, subfolder=None, revision=None) -> None:
     path = Path(name).expanduser()
     option = f"{'pretrained' if what == 'model' else what}={name} in --model_args"
@@ -254,6 +401,8 @@ def _check_source(name: str, what: str, hub_file: str, need_tokenizer: bool, sub
                 f"{what} directory {name!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): add "
                 "tokenizer=<directory or Hub id> to --model_args (DCPythia: tokenizer=EleutherAI/pythia-6.9b)"
             )
+        files = (hub_file,) if what == "model" else ()
+        _check_readable(folder, option, files + (TOKENIZER_JSON_FILES if need_tokenizer else ()))
         return
     if not _is_hub_id(name):
         raise FileNotFoundError(
@@ -359,10 +508,36 @@ def _dataset_cached(path: str) -> bool:
     return True
 
 
-def check_tasks(names: Sequence[Any], task_manager, metadata: dict | None = None) -> None:
+def _count_rows(path: Path) -> int:
+    with open(path, encoding="utf-8") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def _check_fewshot_pool(task: str, kwargs: dict, directory: Path, num_fewshot: int) -> None:
+    """A `*_local` task has `num_fewshot` examples to draw: its `.train.jsonl` file when the task names a few-shot
+    split (PIQA, HellaSwag), else the rows it scores (lm-eval's rule for a task with a test split only)."""
+    if kwargs.get("local_fewshot_split"):
+        source = directory / f"{kwargs['local_name']}.train.jsonl"
+        if not source.is_file():
+            raise FileNotFoundError(
+                f"--num_fewshot {num_fewshot}: {task} draws its few-shot examples from {source}, which does not "
+                "exist: give --num_fewshot 0 (zero-shot), or add that file (docs/evaluation.md says how to export it)"
+            )
+    else:
+        source = directory / f"{kwargs['local_name']}.jsonl"
+    rows = _count_rows(source)
+    if num_fewshot > rows:
+        raise ValueError(
+            f"--num_fewshot {num_fewshot}: {task} has {rows} few-shot examples ({source}): give at most {rows}"
+        )
+
+
+def check_tasks(names: Sequence[Any], task_manager, metadata: dict | None = None, num_fewshot: int | None = None
+                ) -> None:
     """Before the model loads: every name is a task, group or tag of `task_manager` (or a task file or directory,
-    as lm-eval allows); the `*_local` tasks find their data directory and files; the data of Hub tasks is in the
-    `datasets` cache or the Hub can be reached (not offline, and it answers one request)."""
+    as lm-eval allows); the `*_local` tasks find their data directory and files, and `num_fewshot` examples to draw
+    from; the data of Hub tasks is in the `datasets` cache or the Hub can be reached (not offline, and it answers
+    one request)."""
     from lm_eval.utils import pattern_match
 
     from modeling_dcformer.evals.tasks import local_data
@@ -405,6 +580,11 @@ def check_tasks(names: Sequence[Any], task_manager, metadata: dict | None = None
                 f"data directory {directory} lacks {', '.join(missing)}: point --metadata data_dir=DIR (or "
                 f"${local_data.ENV_VAR}) at a directory holding it"
             )
+        if num_fewshot:
+            for task, cfg in leaves:
+                kwargs = cfg.get("dataset_kwargs")
+                if isinstance(kwargs, dict) and "local_name" in kwargs:
+                    _check_fewshot_pool(task, kwargs, directory, num_fewshot)
 
     remote = {}
     for task, cfg in leaves:
@@ -471,8 +651,11 @@ def evaluate(
     dcformer_lm.register()
     check_limit(limit)
     check_num_fewshot(num_fewshot)
+    check_batch_size(batch_size)
     task_list = check_task_names(tasks)
-    evaluate_params = set(inspect.signature(lm_eval.simple_evaluate).parameters) - {"model", "model_args", "tasks"}
+    # `device` and `max_batch_size` are the model's: simple_evaluate uses them only for a model it builds itself
+    evaluate_params = set(inspect.signature(lm_eval.simple_evaluate).parameters) - {
+        "model", "model_args", "tasks", "device", "max_batch_size"}
     eval_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in evaluate_params}
     eval_kwargs.setdefault("log_samples", False)
     metadata = dict(eval_kwargs.pop("metadata", None) or {})
@@ -483,9 +666,11 @@ def evaluate(
             raise TypeError("tokenizer and model keyword arguments do not apply to a ready lm-eval LM")
     else:
         check_model_source(model, tokenizer, kwargs)
+        check_device(kwargs.get("device"))
+    check_output_path(output_path)
     # every check that can fail before the model loads (a 7B model takes minutes)
     task_manager = make_task_manager(task_list, include_path=include_path, metadata=metadata)
-    check_tasks(task_list, task_manager, metadata)
+    check_tasks(task_list, task_manager, metadata, num_fewshot=num_fewshot)
 
     if isinstance(model, LM):
         lm = model
@@ -528,19 +713,99 @@ def save_results(results: dict, path: str | os.PathLike) -> Path:
 
     from lm_eval.utils import handle_non_serializable
 
-    path = Path(path)
+    from modeling_dcformer.checkpoints import atomic_dir
+
+    path = Path(path).expanduser()
     if path.suffix != ".json":
         path = path / f"results_{datetime.now().isoformat().replace(':', '-')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {k: v for k, v in results.items() if k != "samples"}
     text = json.dumps(payload, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")  # written beside, then renamed: never half a file
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_dir.write_file(path, text)  # written beside, then renamed: never half a file
     return path
+
+
+def _results_tracker_class(made: list):
+    """lm-eval's EvaluationTracker (0.4.13) for `dcformer-eval run`: the results of `--output_path DIR` go to
+    DIR/<results_folder_name(model)>/results_<date>.json (lm-eval's own file name, in a folder that is never
+    hidden), written beside and renamed into place (never half a file), and a write that fails is kept in
+    `error` for `main` to report (lm-eval logs it and goes on to exit 0). Each tracker made is appended to
+    `made`. With --push_results_to_hub, lm-eval's own saving runs (its upload reads the file it wrote) and the file
+    is checked afterwards."""
+    from dataclasses import asdict
+    from datetime import datetime
+
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import handle_non_serializable, hash_string
+
+    from modeling_dcformer.checkpoints import atomic_dir
+
+    class ResultsTracker(EvaluationTracker):
+        error: str | None = None
+        results_file: Path | None = None
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def _results_file(self) -> Path:
+            path = Path(self.output_path).expanduser()
+            if path.suffix == ".json":  # lm-eval's rule for a file name: <stem>_<date>.json beside it
+                return path.with_name(f"{path.stem}_{self.date_id}.json")
+            return path / str(self.general_config_tracker.model_name_sanitized) / f"results_{self.date_id}.json"
+
+        def save_results_aggregated(self, results: dict, samples: dict | None = None) -> None:
+            general = self.general_config_tracker
+            general.model_name_sanitized = results_folder_name(general.model_name)
+            if not self.output_path or self.push_results_to_hub:
+                super().save_results_aggregated(results=results, samples=samples)
+                if self.output_path:
+                    self._check_written()
+                return
+            general.log_end_time()
+            task_hashes = {}
+            for task_name, task_samples in (samples or {}).items():  # as lm-eval computes them
+                task_hashes[task_name] = hash_string(
+                    "".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in task_samples)
+                )
+            results.update({"task_hashes": task_hashes})
+            results.update(asdict(general))
+            dumped = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
+            self.date_id = datetime.now().isoformat().replace(":", "-")
+            path = self._results_file()
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_dir.write_file(path, dumped)
+            except OSError as err:
+                self.error = f"could not write {path} ({err.strerror or err})"
+                return
+            self.results_file = path
+
+        def _check_written(self) -> None:
+            """After lm-eval's own saving: its file is there and whole (a partial one is removed)."""
+            path = self._results_file() if getattr(self, "date_id", None) else None
+            if path is not None:
+                try:
+                    json.loads(path.read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    if path.is_file():
+                        path.unlink(missing_ok=True)
+                else:
+                    self.results_file = path
+                    return
+            self.error = "lm-eval could not write the results file (its log above says why)"
+
+    return ResultsTracker
+
+
+def _install_results_tracker(made: list):
+    """Make the `run` subcommand's EvaluationTracker the one of `_results_tracker_class`; returns the class it
+    replaced (`main` puts it back when done)."""
+    import lm_eval.loggers
+
+    previous = lm_eval.loggers.EvaluationTracker
+    lm_eval.loggers.EvaluationTracker = _results_tracker_class(made)
+    return previous
 
 
 def _install_task_path(local_only: bool):
@@ -567,9 +832,13 @@ What the wrapper adds:
                       small fixtures shipped in evals/fixtures)
   checks first        before the model loads: --tasks names, the data directory and files, whether each data set
                       is cached or the Hub reachable (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE respected), the model
-                      directory or Hub id and its tokenizer, --limit, --num_fewshot: each fault is one line, exit 2
-  --output_path PATH  lm-eval's results_<date>.json; `python -m modeling_dcformer.evals.report` turns results
-                      files into a markdown table and a chart beside published numbers
+                      directory or Hub id and its config and tokenizer files, --limit, --num_fewshot (and the
+                      few-shot examples the *_local tasks have), --batch_size, --device, --output_path: each fault
+                      is one line, exit 2 (so are an unknown --model_args key and a tokenizer that fails to load)
+  --output_path DIR   results in DIR/<model>/results_<date>.json (<model>: a local model's folder name, or
+                      namespace__name for a Hub id), printed last as `results: FILE`; a write that fails: exit 1.
+                      `python -m modeling_dcformer.evals.report` turns results files into a markdown table and a
+                      chart beside published numbers
 
 lm-eval's own help follows.
 """
@@ -620,17 +889,47 @@ def check_run(settings: dict) -> bool:
     """Every check of a `run` that can fail before the model loads; returns whether only our tasks run."""
     check_limit(settings.get("limit"))
     check_num_fewshot(settings.get("num_fewshot"))
+    check_batch_size(settings.get("batch_size"))
     if settings.get("tasks") is None:
         raise ValueError(f"no --tasks given: name the tasks, e.g. --tasks {','.join(DEFAULT_TASKS)}")
     names = check_task_names(settings["tasks"])
     model_args = settings.get("model_args") or {}
+    check_output_path(settings.get("output_path"))
     if _is_hf_model(settings.get("model")):
+        check_device(settings.get("device") or model_args.get("device"))
         check_model_source(model_args.get("pretrained"), model_args.get("tokenizer"), model_args)
     metadata = {**model_args, **(settings.get("metadata") or {})}  # what lm-eval hands the tasks
     local_only = _only_local(names, settings.get("include_path"))
     task_manager = _task_manager_class(local_only)(include_path=settings.get("include_path"), metadata=metadata)
-    check_tasks(names, task_manager, metadata)
+    check_tasks(names, task_manager, metadata, num_fewshot=settings.get("num_fewshot"))
     return local_only
+
+
+def _run_fault(err: Exception, settings: dict) -> str | None:
+    """The one line for a fault that only the run itself finds, when it is the user's: a --model_args key that
+    neither lm-eval's model nor the model's config takes, a tokenizer that does not load, more few-shot examples
+    than a task has. None: not one of those (the error goes up as it is)."""
+    import re
+
+    from modeling_dcformer.evals.dcformer_lm import TokenizerLoadError
+
+    if isinstance(err, TokenizerLoadError):
+        return str(err)
+    model_args = settings.get("model_args") or {}
+    if isinstance(err, TypeError):
+        match = re.search(r"unexpected keyword argument '([^']+)'", str(err))
+        if match and match.group(1) in model_args:
+            key = match.group(1)
+            return (
+                f"--model_args {key}={model_args[key]}: neither an option of --model {settings.get('model') or 'hf'} "
+                "nor a setting of the model's config (lm-eval hands unknown keys to from_pretrained): check the name"
+            )
+    num_fewshot = settings.get("num_fewshot")
+    if num_fewshot and isinstance(err, (ValueError, AssertionError)) and (
+        "Sample larger than population" in str(err) or "no documents available for sampling" in str(err)
+    ):
+        return f"--num_fewshot {num_fewshot}: a task has fewer few-shot examples than that: give a smaller number"
+    return None
 
 
 def _one_line(text: str) -> str:
@@ -639,16 +938,21 @@ def _one_line(text: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """lm-eval's command line (`run`, `ls`, `validate`) with the `dcformer` model and evals/tasks.
-    `argv` (without the program name) defaults to sys.argv[1:]. Returns 0, 2 for a fault found before the model
-    loads, 1 for data that proved unreachable during the run (each fault printed as one line on stderr)."""
+    `argv` (without the program name) defaults to sys.argv[1:]. Returns 0; 2 for the user's fault (found before
+    the model loads, or by the run: an unknown --model_args key, a tokenizer that does not load, too many few-shot
+    examples); 1 for data that proved unreachable during the run, or results that could not be written (each fault
+    printed as one line on stderr). A run that writes results prints `results: FILE` last."""
     import lm_eval.tasks
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
+    import lm_eval.loggers
+
     saved_argv = sys.argv
     if argv is not None:
         sys.argv = [sys.argv[0] if sys.argv else "dcformer-eval", *argv]
-    previous = None
+    previous = previous_tracker = None
+    trackers: list = []
     try:
         setup_logging()
         parser = HarnessCLI()  # reads sys.argv; inserts `run` when no subcommand is given, as lm-eval does
@@ -657,25 +961,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         from modeling_dcformer.evals import dcformer_lm
 
         dcformer_lm.register()
-        local_only, names = False, []
+        local_only, names, settings = False, [], {}
         if getattr(args, "command", None) == "run":
             try:
-                local_only = check_run(_run_settings(args))
+                settings = _run_settings(args)
+                local_only = check_run(settings)
             except (ValueError, OSError) as err:
                 print(f"error: {_one_line(err)}", file=sys.stderr)
                 return 2
             names = _flatten_task_names(args.tasks)
         previous = _install_task_path(local_only)
+        previous_tracker = _install_results_tracker(trackers)
         try:
             parser.execute(args)
         except ConnectionError as err:  # data the checks took for cached, or a network that went away mid-run
             message = str(err) if isinstance(err, DataUnreachableError) else data_unreachable_message(str(err), names)
             print(f"error: {_one_line(message)}", file=sys.stderr)
             return 1
+        except (TypeError, ValueError, AssertionError, OSError) as err:
+            message = _run_fault(err, settings)
+            if message is None:
+                raise
+            print(f"error: {_one_line(message)}", file=sys.stderr)
+            return 2
+        for tracker in trackers:
+            if tracker.error:
+                print(f"error: --output_path {tracker.output_path}: {_one_line(tracker.error)}", file=sys.stderr)
+                return 1
+            if tracker.results_file is not None:
+                print(f"results: {tracker.results_file}")
     finally:
         sys.argv = saved_argv
         if previous is not None:
             lm_eval.tasks.TaskManager = previous
+        if previous_tracker is not None:
+            lm_eval.loggers.EvaluationTracker = previous_tracker
     return 0
 
 

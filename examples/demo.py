@@ -85,13 +85,22 @@ def banner(step: int, title: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 def prepare_output_dir(out: Path) -> None:
     """An empty directory marked as ours. A previous demo run's directory is cleared; anything else that is not
-    empty is refused (nothing of the user's is deleted)."""
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).is_file():
-            raise SystemExit(f"error: {out} is not empty and was not made by this demo: choose another --output-dir")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("created by examples/demo.py; summary.json appears only when a run completes\n")
+    empty is refused (nothing of the user's is deleted), and so is a path that is no directory or cannot be made
+    (one line naming it)."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --output-dir {out} is a file, not a directory: choose another --output-dir")
+    try:
+        if out.exists() and any(out.iterdir()):
+            if not (out / MARKER).is_file():
+                raise SystemExit(f"error: {out} is not empty and was not made by this demo: choose another "
+                                 "--output-dir")
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MARKER).write_text("created by examples/demo.py; summary.json appears only when a run completes\n")
+    except OSError as err:  # a file on the way (a/file/b), no permission, a read-only or full disk
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise SystemExit(f"error: --output-dir {out} cannot be made or written ({reason}): choose another "
+                         "--output-dir") from None
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:

@@ -3,10 +3,14 @@
 transformers only logs a report when a checkpoint and its config disagree, which hides a changed function (a config
 with `use_qk_norm=False` skips the trained q/k norms). Here each tensor the config leaves unused, lacks or shapes
 differently is traced to the config field responsible; integer tensors where floats are meant (transformers would
-cast them) and unreadable weight files are one clear error each.
+cast them) and unreadable weight files are one clear error each. Two more, for a local folder: weight files outside
+it (a shard index naming "../x" or an absolute path, which transformers follows) are refused before they are read,
+and a load whose config.json and weights come from two saves of the folder (`check_same_save`, by the `save_id` of
+each save) is an error, not a model.
 """
 
 import json
+import os
 import re
 import struct
 from collections import defaultdict
@@ -166,12 +170,71 @@ def non_float_tensors(files: list[Path], quantized: bool = False) -> dict[str, s
     return bad
 
 
+def files_outside(source, files: list) -> list[str]:
+    """The weight `files` transformers resolved for the local folder `source` that lie outside it, judged by their
+    paths as written (".." and absolute shard names; a symbolic link inside the folder stays the folder owner's, as
+    every file of a Hub cache snapshot is); none for a Hub id."""
+    if source is None or not os.path.isdir(source):
+        return []
+    root = os.path.abspath(source)
+
+    def inside(path: str) -> bool:
+        try:
+            return os.path.commonpath([root, os.path.abspath(path)]) == root
+        except ValueError:  # another drive (Windows)
+            return False
+
+    return [str(file) for file in files if not inside(file)]
+
+
 def check_dtypes(source, files: list, quantized: bool = False) -> None:
     """Refuses a checkpoint storing integer or boolean tensors where floats are meant (loading would cast them to
     floats without a word). A quantized checkpoint (`quantized`: transformers loads it with a quantizer) stores its
-    quantized weights as integers: those are meant."""
+    quantized weights as integers: those are meant. First, before any of them is read here or by the load: weight
+    files outside the local folder `source` (`files_outside`)."""
+    outside = files_outside(source, files)
+    if outside:
+        raise ValueError(f"checkpoint {str(source)!r}: its shard index names weight files outside the folder "
+                         f"({listing(outside)}); refused: a shard must be a file of the checkpoint's folder")
     bad = non_float_tensors(files, quantized=quantized)
     if bad:
         names = listing([f"{key} ({dtype})" for key, dtype in bad.items()])
         raise ValueError(f"checkpoint {str(source)!r} stores weights with a non-floating dtype, which loading would "
                          f"cast to floats without meaning: {names}; the file is corrupt or not a DCFormer checkpoint")
+
+
+SAVE_ID_KEY = "save_id"  # config.json's id of each save by the package; its shard index carries it too
+
+
+def _saved_id(config_file: Path) -> str | None:
+    """The `save_id` the config.json `config_file` holds now; None if none, or no readable file."""
+    try:
+        content = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return content.get(SAVE_ID_KEY) if isinstance(content, dict) else None
+
+
+def check_same_save(config, load_config) -> None:
+    """Refuses a load of a local folder whose config and weights come from two saves (the folder saved again, whole,
+    while a reader without the package's lock read it: the config before, the weights after). `config.save_id` (the
+    config the model was built from) must equal the `save_id` of the shard index transformers read
+    (`load_config.sharded_metadata`) and of the folder's config.json when this runs; called before and after the
+    weights are read, the second call proves them read from the same save (a save never comes back). A save without
+    ids (an older one, transformers' own) or a Hub id is not checked: the Hub's files come from one commit."""
+    expected = getattr(config, SAVE_ID_KEY, None)
+    source = getattr(load_config, "pretrained_model_name_or_path", None)
+    if not expected or source is None or not os.path.isdir(source):
+        return
+    subfolder = (getattr(load_config, "download_kwargs", None) or {}).get("subfolder") or ""
+    folder = Path(source, subfolder)
+    now = _saved_id(folder / "config.json")
+    if now not in (None, expected):
+        raise OSError(f"config.json and the weights come from different saves of {folder} (save_id {expected} in the "
+                      f"config loaded, {now} in its config.json now): it was saved again during this load, load again "
+                      "(a config of another save given on purpose: set its save_id to None)")
+    index_id = (getattr(load_config, "sharded_metadata", None) or {}).get(SAVE_ID_KEY)
+    if index_id not in (None, expected):
+        raise OSError(f"config.json and the weights come from different saves of {folder}: the config loaded has "
+                      f"save_id {expected} but its shard index {index_id}; if it was being saved, load again, else "
+                      "save the model there again")

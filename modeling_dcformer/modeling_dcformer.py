@@ -25,7 +25,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
 from .cache_dcformer import DCFormerCache, check_cache, check_cache_implementation
-from .checkpoint_checks import check_dtypes, describe_mismatch
+from .checkpoint_checks import check_dtypes, check_same_save, describe_mismatch
 from .configuration_dcformer import PACKAGE, DCFormerConfig, check_attn_implementation
 from .dcmha import DCMHAInputs, dcmha_attention, project_dynamic_weights, token_positions
 
@@ -366,11 +366,16 @@ class DCFormerPreTrainedModel(PreTrainedModel):
 
     @classmethod  # a staticmethod in transformers 5.24, a classmethod in 5.0: `super()` calls either
     def _load_pretrained_model(cls, model, state_dict, checkpoint_files, load_config, *args, **kwargs):
-        """transformers' reading of the weight files it resolved, after refusing integer tensors where floats are
-        meant (`check_dtypes`: it would cast them without a word); a quantizer's integer weights are meant."""
+        """transformers' reading of the weight files it resolved, after refusing weight files outside a local folder
+        and integer tensors where floats are meant (`check_dtypes`: it would cast them without a word; a quantizer's
+        integer weights are meant); before and after it, a config and weights from two saves of a local folder
+        (`check_same_save`: the folder saved again during a load without the package's reader lock)."""
         quantized = load_config.is_quantized or bool(getattr(model.config, "quantization_config", None))
         check_dtypes(load_config.pretrained_model_name_or_path, checkpoint_files or [], quantized=quantized)
-        return super()._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        check_same_save(model.config, load_config)
+        loaded = super()._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        check_same_save(model.config, load_config)
+        return loaded
 
     @staticmethod
     def _finalize_model_loading(model, load_config, loading_info):

@@ -186,3 +186,18 @@ def test_unreachable_task_data_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(demo, "run", broken)
     with pytest.raises(RuntimeError, match="something else"):
         demo.main([])
+
+
+@pytest.mark.parametrize("case", ["file", "under-a-file"])
+def test_an_output_dir_that_cannot_be_a_directory_is_one_line(case, tmp_path, monkeypatch):
+    """--output-dir naming a file, or a path through one: one line naming it, before any work; the file is kept."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    out = blocker if case == "file" else blocker / "demo"
+    monkeypatch.setattr(demo, "build_tiny_pythia", lambda *a, **k: pytest.fail("the demo went on"))
+    with pytest.raises(SystemExit) as exit_:
+        demo.run(["--output-dir", str(out), "--no-bench"])
+    message = str(exit_.value.code)
+    assert message.startswith("error: --output-dir") and str(out) in message and "\n" not in message
+    assert ("is a file" if case == "file" else "cannot be made") in message
+    assert blocker.read_text() == "mine\n"

@@ -1,5 +1,4 @@
-"""dcformer-eval under faults, its help, and the evals/ scripts run as files (issues 27 item 7, 28 items 7 and 10,
-30 items 6 and 13).
+"""dcformer-eval under faults, its help, the evals/ scripts run as files, and where a run's results land.
 
 Every fault is refused in one line naming the task, path or option, before the model loads; each refusal has its
 legitimate neighbour accepted. The Hub is never contacted: HF_HUB_OFFLINE is set for the whole module, and the
@@ -10,10 +9,13 @@ cannot change the outcome.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -341,3 +343,248 @@ def test_connection_lost_during_the_run_is_one_line(model_dir, capsys, monkeypat
     assert_one_line(err, "Couldn't reach 'baber/piqa'", "piqa_local", "data_dir")
     with pytest.raises(harness.DataUnreachableError, match="baber/piqa"):
         harness.evaluate(str(model_dir), tasks=["piqa_local"], device="cpu")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batch size, device, few-shot count beyond the examples, model arguments, corrupt files, the output path
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", ["abc", "0", "-1", "auto:", "auto:0", "2.5"])
+def test_bad_batch_size_is_one_line(size, model_dir, capsys, monkeypatch):
+    model_must_not_load(monkeypatch)
+    code, err = run_cli(capsys, "--model", "dcformer", "--model_args", f"pretrained={model_dir}", "--tasks",
+                        "piqa_local", "--batch_size", size)
+    assert code == 2
+    assert_one_line(err, f"--batch_size {size}:", "'auto'")
+    with pytest.raises(ValueError, match="--batch_size"):
+        harness.evaluate(str(model_dir), tasks=["piqa_local"], batch_size=size)
+    for good in (1, "8", "auto", "auto:4", None):  # the neighbours lm-eval takes
+        harness.check_batch_size(good)
+
+
+def fake_gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_cuda_without_a_gpu_is_one_line(device, model_dir, capsys, monkeypatch):
+    fake_gpus(monkeypatch, 0)
+    model_must_not_load(monkeypatch)
+    code = harness.main(["run", "--model", "dcformer", "--model_args", f"pretrained={model_dir}", "--tasks",
+                         "piqa_local", "--device", device])
+    assert code == 2
+    assert_one_line(capsys.readouterr().err, f"--device {device}:", "--device cpu")
+    with pytest.raises(ValueError, match=f"--device {device}"):
+        harness.evaluate(str(model_dir), tasks=["piqa_local"], device=device)
+
+
+def test_device_names_a_device_of_this_machine(monkeypatch):
+    """One GPU (simulated): cuda, cuda:0 and cpu are taken; cuda:1 (which lm-eval would silently replace by
+    another device) and a misspelt name are refused, each naming the devices there are."""
+    fake_gpus(monkeypatch, 1)
+    for good in ("cpu", "cuda", "cuda:0", None):
+        harness.check_device(good)
+    for bad in ("cuda:1", "cdua", "gpu"):
+        with pytest.raises(ValueError, match=f"--device {bad}: not a device of this machine; give one of cpu, cuda:0"):
+            harness.check_device(bad)
+
+
+def test_num_fewshot_beyond_the_examples_is_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    model_must_not_load(monkeypatch)
+    common = ["--model", "dcformer", "--model_args", f"pretrained={model_dir}"]
+    train_rows = len(local_data.read_jsonl(FIXTURES / "piqa.train.jsonl"))
+    code, err = run_cli(capsys, *common, "--tasks", "piqa_local", "--num_fewshot", "5000")
+    assert code == 2
+    assert_one_line(err, "--num_fewshot 5000:", f"piqa_local has {train_rows} few-shot examples", "piqa.train.jsonl",
+                    f"at most {train_rows}")
+    rows = len(local_data.read_jsonl(FIXTURES / "lambada_openai.jsonl"))  # no training split: its own rows
+    code, err = run_cli(capsys, *common, "--tasks", "dcformer_local", "--num_fewshot", str(rows + 1))
+    assert code == 2
+    assert_one_line(err, f"--num_fewshot {rows + 1}:", "_local has")
+    with pytest.raises(ValueError, match="--num_fewshot 5000"):
+        harness.evaluate(str(model_dir), tasks=["hellaswag_local"], num_fewshot=5000)
+    # a data directory without the few-shot file: zero-shot only
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(FIXTURES / "piqa.jsonl", data)
+    code, err = run_cli(capsys, *common, "--tasks", "piqa_local", "--num_fewshot", "1", "--metadata",
+                        f"data_dir={data}")
+    assert code == 2
+    assert_one_line(err, "--num_fewshot 1:", str(data / "piqa.train.jsonl"), "does not exist", "--num_fewshot 0")
+    # the neighbours: as many examples as there are, and zero-shot without the file
+    names = ["piqa_local", "lambada_openai_local"]
+    manager = harness.make_task_manager(names)
+    harness.check_tasks(names, manager, num_fewshot=train_rows)
+    harness.check_tasks(["piqa_local"], manager, {"data_dir": str(data)}, num_fewshot=0)
+
+
+def test_few_shot_shortfall_found_by_the_run_is_one_line(model_dir, capsys, monkeypatch):
+    """A task whose few-shot pool the checks cannot count (lm-eval's own, on the Hub) fails inside lm-eval's
+    sampler: one line naming --num_fewshot, exit 2."""
+    import lm_eval
+
+    def short_pool(*args, **kwargs):
+        raise ValueError("Sample larger than population or is negative")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", short_pool)
+    code, err = run_cli(capsys, "--model", "dcformer", "--model_args", f"pretrained={model_dir}", "--tasks",
+                        "piqa_local", "--num_fewshot", "3")
+    assert code == 2
+    assert_one_line(err, "--num_fewshot 3:", "fewer few-shot examples")
+    with pytest.raises(ValueError, match="Sample larger"):  # --num_fewshot not given: not taken for its fault
+        harness.main(["run", "--model", "dcformer", "--model_args", f"pretrained={model_dir}", "--tasks",
+                      "piqa_local", "--device", "cpu"])
+
+
+def test_unknown_model_args_key_is_one_line(model_dir, capsys):
+    code, err = run_cli(capsys, "--model", "dcformer", "--model_args", f"pretrained={model_dir},bogus_key=3",
+                        "--tasks", "piqa_local", "--limit", "2")
+    assert code == 2
+    assert_one_line(err, "--model_args bogus_key=3:", "--model dcformer", "check the name")
+    # the neighbours: a setting of the model's config and an option of lm-eval's model class
+    code, err = run_cli(capsys, "--model", "dcformer", "--model_args",
+                        f"pretrained={model_dir},attention_chunk_size=64,dtype=float32", "--tasks", "piqa_local",
+                        "--limit", "2")
+    assert code == 0, err[-3000:]
+
+
+@pytest.mark.parametrize("file, content", [
+    ("tokenizer.json", '{"not": '), ("tokenizer_config.json", "{"), ("config.json", "not json"),
+])
+def test_corrupt_model_or_tokenizer_file_is_one_line(file, content, model_dir, tmp_path, capsys, monkeypatch):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    (broken / file).write_text(content)
+    with monkeypatch.context() as patch:
+        model_must_not_load(patch)
+        code, err = run_cli(capsys, "--model", "dcformer", "--model_args", f"pretrained={broken}", "--tasks",
+                            "piqa_local")
+    assert code == 2
+    assert_one_line(err, str(broken / file), "cannot be read")
+    with pytest.raises(ValueError, match="cannot be read"):
+        harness.evaluate(str(broken), tasks=["piqa_local"])
+    if file != "config.json":  # the neighbour: a tokenizer named elsewhere, the model directory's is not used
+        harness.check_model_source(str(broken), tokenizer=str(model_dir))
+
+
+def test_tokenizer_that_fails_to_load_during_the_run_is_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    """What the file checks cannot see (a tokenizer from the Hub cache, a file that parses but does not load)
+    ends in the same kind of line, exit 2, no traceback."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    (broken / "tokenizer.json").write_text('{"not": ')
+    monkeypatch.setattr(harness, "_check_readable", lambda *args, **kwargs: None)
+    code, err = run_cli(capsys, "--model", "dcformer", "--model_args", f"pretrained={broken}", "--tasks",
+                        "piqa_local")
+    assert code == 2
+    assert_one_line(err, "could not load a tokenizer from", str(broken), "tokenizer=")
+
+
+def test_output_path_that_cannot_be_written_is_one_line_before_the_model_loads(model_dir, tmp_path, capsys,
+                                                                                monkeypatch):
+    model_must_not_load(monkeypatch)
+    common = ["--model", "dcformer", "--model_args", f"pretrained={model_dir}", "--tasks", "piqa_local"]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for output in (a_file / "results", a_file, a_file / "sub" / "run.json"):
+        code, err = run_cli(capsys, *common, "--output_path", str(output))
+        assert code == 2
+        assert_one_line(err, f"--output_path {output}:", f"{a_file} is a file")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        harness.evaluate(str(model_dir), tasks=["piqa_local"], output_path=a_file / "results")
+
+    def denied(*args, **kwargs):  # a folder another user owns (the real case: test_output_path_of_another_user)
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tempfile, "mkdtemp", denied)
+        code, err = run_cli(capsys, *common, "--output_path", str(tmp_path / "new" / "run"))
+    assert code == 2
+    assert_one_line(err, f"cannot write in {tmp_path}", "Permission denied")
+    # the neighbours: a new folder under a writable one, an existing folder, a .json file name; nothing is left
+    before = sorted(tmp_path.iterdir())
+    for good in (tmp_path / "new" / "run", tmp_path, tmp_path / "out.json", "."):
+        harness.check_output_path(good)
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_output_path_of_another_user_is_refused(tmp_path):
+    """A real second user (nobody), where this runs as root: a folder root owns (0755) is not theirs to write.
+    The check is plain Python: it runs on the system interpreter from the source file, as that user."""
+    python = shutil.which("python3.11", path="/usr/bin") or shutil.which("python3", path="/usr/bin")
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not python:
+        pytest.skip("needs root, setpriv and a system python to run as a second user")
+    theirs = Path(tempfile.mkdtemp(prefix="eval-out-", dir="/tmp"))
+    try:
+        theirs.chmod(0o755)
+        script = (
+            "import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('h', {str(ROOT / 'evals' / 'harness.py')!r})\n"
+            "h = importlib.util.module_from_spec(spec); spec.loader.exec_module(h)\n"
+            "try:\n    h.check_output_path(sys.argv[1])\nexcept OSError as err:\n    print(err); sys.exit(2)\n"
+        )
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", script]
+        proc = subprocess.run([*command, str(theirs / "run")], capture_output=True, text=True, timeout=60)
+        if "Permission denied" in proc.stderr and "harness.py" in proc.stderr:
+            pytest.skip("the second user cannot read the source tree")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert f"cannot write in {theirs}" in proc.stdout and "Permission denied" in proc.stdout
+        theirs.chmod(0o1777)  # the neighbour: a shared sticky folder anyone may create entries in
+        proc = subprocess.run([*command, str(theirs / "run")], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+        assert list(theirs.iterdir()) == []
+    finally:
+        shutil.rmtree(theirs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where the results land: --output_path DIR -> DIR/<model folder>/results_<date>.json, never a hidden folder
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["relative", "absolute", "dot"])
+def test_results_land_in_a_folder_named_after_the_model(form, model_dir, tmp_path, capsys, monkeypatch):
+    work = tmp_path / "work"
+    (work / "ckpts").mkdir(parents=True)
+    model = work / "ckpts" / "my-dcformer"
+    shutil.copytree(model_dir, model)
+    monkeypatch.chdir(model if form == "dot" else work)
+    pretrained = {"relative": "./ckpts/my-dcformer", "absolute": str(model), "dot": "."}[form]
+    out = tmp_path / "results" / "run-1"
+    code = harness.main(["run", "--model", "dcformer", "--model_args", f"pretrained={pretrained}", "--tasks",
+                         "piqa_local", "--limit", "2", "--device", "cpu", "--output_path", str(out),
+                         "--log_samples"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert [p.name for p in out.iterdir()] == ["my-dcformer"]
+    (results_file,) = (out / "my-dcformer").glob("results_*.json")
+    assert captured.out.strip().splitlines()[-1] == f"results: {results_file}"
+    results = json.loads(results_file.read_text())
+    assert results["results"]["piqa_local"]["acc,none"] is not None
+    assert results["model_name"] == pretrained and results["model_name_sanitized"] == "my-dcformer"
+    assert list((out / "my-dcformer").glob("samples_piqa_local_*.jsonl"))
+    assert not [p for p in (tmp_path / "results").rglob(".*")]  # nothing hidden, no leftovers
+
+
+def test_results_folder_names():
+    assert harness.results_folder_name("Caiyun-AI/DCPythia-6.9B") == "Caiyun-AI__DCPythia-6.9B"  # as lm-eval
+    assert harness.results_folder_name("/data/ckpts/my-dcformer/") == "my-dcformer"
+    assert harness.results_folder_name("./.hidden-run") == "hidden-run"
+    assert harness.results_folder_name("~") == Path.home().name
+
+
+def test_results_that_cannot_be_written_after_the_run_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    """A full disk when the results are written: exit 1, one line naming the file, and no file left behind
+    (lm-eval logs the failure and exits 0)."""
+    from modeling_dcformer.checkpoints import atomic_dir
+
+    def disk_full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic_dir, "write_file", disk_full)
+    out = tmp_path / "results"
+    code, err = run_cli(capsys, "--model", "dcformer", "--model_args", f"pretrained={model_dir}", "--tasks",
+                        "piqa_local", "--limit", "2", "--output_path", str(out))
+    assert code == 1
+    lines = [line for line in err.strip().splitlines() if line.strip()]  # after the run's progress bars
+    assert "Traceback" not in err and [line for line in lines if "error" in line.lower()] == lines[-1:], err[-3000:]
+    assert_one_line(lines[-1], f"--output_path {out}:", "could not write", "No space left on device")
+    assert not [p for p in out.rglob("*") if p.is_file()]

@@ -343,10 +343,10 @@ def test_card_snippet_without_the_package_never_prompts(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     folder = tmp_path / "tiny-dc"
-    tiny().save_pretrained(folder)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY["vocab_size"])}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(folder)
+    tiny().save_pretrained(folder)  # after the tokenizer: the card's snippet loads it from the folder
     card = (folder / "README.md").read_text()
     snippet = card.split("Anywhere else", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     (tmp_path / "snippet.py").write_text(snippet)
@@ -535,3 +535,91 @@ def test_released_converter_pushes_with_base_model(fake_hub, tmp_path, capsys, m
     card = ModelCard(upload["readme"])
     assert card.data.base_model == "Caiyun-AI/DCPythia-tiny" and card.data.license == "mit"
     assert "released checkpoint" in card.text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A failed upload: the retry keeps the user's choices
+# ----------------------------------------------------------------------------------------------------------------
+SECRET = "hf_secret_token_123"
+
+
+@pytest.mark.parametrize("stage", ["create_repo", "upload"])
+def test_failed_push_retry_keeps_private_revision_and_pull_request(fake_hub, stage):
+    """A failed `push_to_hub(..., private=True)` must not suggest a retry that creates a public repository: the
+    Python retry and the `hf upload` command repeat private, the revision and the pull request; never the token."""
+    fake_hub.fail = stage
+    with pytest.raises(publishing.HubUploadError) as failure:
+        tiny().push_to_hub("me/tiny-dc", private=True, revision="exp", create_pr=True, token=SECRET)
+    message = str(failure.value)
+    assert "model.push_to_hub('me/tiny-dc', private=True, revision='exp', create_pr=True)" in message
+    assert "hf upload me/tiny-dc DIR --private --revision exp --create-pr" in message
+    assert SECRET not in message and "pass your token again" in message
+    assert "\n" not in message
+
+
+def test_failed_save_and_push_retry_keeps_private_and_revision(fake_hub, tmp_path):
+    fake_hub.fail = "upload"
+    target = tmp_path / "my model"  # a space: the command quotes it
+    with pytest.raises(publishing.HubUploadError) as failure:
+        tiny().save_pretrained(target, push_to_hub=True, repo_id="me/tiny-dc", private=True, revision="exp")
+    message = str(failure.value)
+    assert f"hf upload me/tiny-dc '{target}' --private --revision exp" in message
+    assert "model.push_to_hub('me/tiny-dc', private=True, revision='exp')" in message
+    assert failure.value.command == f"hf upload me/tiny-dc '{target}' --private --revision exp"
+    # a public push says nothing of private, and the command-line form holds no Python
+    fake_hub.fail = "create_repo"
+    with pytest.raises(publishing.HubUploadError) as failure:
+        tiny().save_pretrained(target, push_to_hub=True, repo_id="me/tiny-dc")
+    assert "--private" not in str(failure.value) and "private=" not in str(failure.value)
+    assert "push_to_hub(" not in failure.value.for_command_line()
+    assert f"hf upload me/tiny-dc '{target}'" in failure.value.for_command_line()
+
+
+def trainer_for(tmp_path, **args):
+    from transformers import TrainingArguments
+
+    from modeling_dcformer.publishing.trainer import DCFormerTrainer
+
+    rows = [{"input_ids": list(range(i, i + 8)), "labels": list(range(i, i + 8))} for i in range(8)]
+    arguments = TrainingArguments(str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4,
+                                  save_strategy="no", report_to="none", use_cpu=True, **args)
+    return DCFormerTrainer(model=tiny(), args=arguments, train_dataset=rows)
+
+
+def test_trainer_push_to_hub_failures_are_one_message(fake_hub, tmp_path):
+    """`DCFormerTrainer.push_to_hub()` offline: one HubUploadError (no HTTP traceback chained), with a retry keeping
+    `hub_private_repo` and `hub_revision`, and the `hf upload` command leaving checkpoints out as Trainer does."""
+    import traceback
+
+    trainer = trainer_for(tmp_path, hub_model_id="me/tiny-trained", hub_private_repo=True, hub_revision="exp")
+    fake_hub.fail = "create_repo"
+    with pytest.raises(publishing.HubUploadError) as failure:
+        trainer.push_to_hub()
+    message = str(failure.value)
+    assert "Hugging Face Hub repository 'me/tiny-trained' failed" in message and "nothing was saved" in message
+    assert "trainer.push_to_hub(private=True, revision='exp')" in message
+    printed = "".join(traceback.format_exception(failure.value))
+    assert "During handling" not in printed and "direct cause" not in printed
+
+    fake_hub.fail = "upload"
+    with pytest.raises(publishing.HubUploadError) as failure:
+        trainer.push_to_hub()
+    out = (tmp_path / "out").absolute()
+    message = str(failure.value)
+    assert f"saved the model to {out} (complete" in message
+    excluded = "--exclude '_*' --exclude 'checkpoint-*'"  # what Trainer's own upload leaves out
+    assert f"hf upload me/tiny-trained {out} --private --revision exp {excluded}" in message
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+def test_trainer_with_push_to_hub_offline_is_one_message(fake_hub, tmp_path):
+    fake_hub.fail = "create_repo"
+    with pytest.raises(publishing.HubUploadError) as failure:
+        trainer_for(tmp_path, push_to_hub=True, hub_private_repo=True)
+    message = str(failure.value)
+    assert message.startswith("creating the Hugging Face Hub repository 'out' failed")
+    assert "nothing was trained" in message
+    assert f"hf upload out {(tmp_path / 'out').absolute()} --private" in message
+    fake_hub.fail = None  # the neighbour: a reachable Hub
+    assert trainer_for(tmp_path, push_to_hub=True).hub_model_id == "me/out"
+

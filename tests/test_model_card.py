@@ -8,6 +8,7 @@ to retry. The Hub API is replaced by fakes: no network."""
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,8 +167,8 @@ def test_a_real_limited_lm_eval_run_is_a_smoke_run(tokenizer, tmp_path):
 
 def test_card_usage_snippet_runs_tokenizer_and_generate(tokenizer, tmp_path, monkeypatch):
     model = tiny(vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(tmp_path / "snippet-model")  # first: the model's save writes the card for what is there
     model.save_pretrained(tmp_path / "snippet-model")
-    tokenizer.save_pretrained(tmp_path / "snippet-model")
     text = (tmp_path / "snippet-model" / "README.md").read_text()
     native, remote = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)[:2]
     assert 'AutoTokenizer.from_pretrained("snippet-model", trust_remote_code=True)' in remote
@@ -178,6 +179,102 @@ def test_card_usage_snippet_runs_tokenizer_and_generate(tokenizer, tmp_path, mon
     inputs = namespace["inputs"]
     expected = model.generate(**inputs, max_new_tokens=32, do_sample=False)
     assert torch.equal(namespace["output"], expected) and expected.shape[1] > inputs["input_ids"].shape[1]
+
+
+def code_blocks(text: str) -> list[str]:
+    """The card's two usage snippets: with the package installed, and anywhere else (remote code)."""
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)[:2]
+
+
+def test_card_of_a_model_saved_without_a_tokenizer_loads_none_from_its_folder(tokenizer, tmp_path):
+    """A save without a tokenizer: the usage never calls AutoTokenizer on that folder; it says where the tokenizer
+    comes from. Saved with one (the tokenizer first, or the model again after it, or into a folder that holds one):
+    the snippets load it from the folder."""
+    model, folder = tiny(vocab_size=len(tokenizer)), tmp_path / "no-tok"
+    model.save_pretrained(folder)
+    text = (folder / "README.md").read_text()
+    native, remote = code_blocks(text)
+    assert 'AutoTokenizer.from_pretrained("no-tok"' not in text
+    assert 'AutoModelForCausalLM.from_pretrained("no-tok")' in native
+    assert 'AutoModelForCausalLM.from_pretrained("no-tok", trust_remote_code=True)' in remote
+    assert "saved without a tokenizer" in text and "the tokenizer the model was trained with" in native
+
+    tokenizer.save_pretrained(folder)
+    model.save_pretrained(folder)  # again, now beside a tokenizer (carried over into the new save)
+    native, remote = code_blocks((folder / "README.md").read_text())
+    assert 'AutoTokenizer.from_pretrained("no-tok")' in native
+    assert 'AutoTokenizer.from_pretrained("no-tok", trust_remote_code=True)' in remote
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+
+
+def test_card_follows_what_the_save_carries_over_not_another_users_files(tokenizer, tmp_path, monkeypatch):
+    """A tokenizer or README.md another user put in the folder is not carried over into a re-save (atomic_dir), so
+    the card neither loads that tokenizer from the folder nor keeps that README in place of the card; the user's
+    own are (the other side)."""
+    model, folder = tiny(vocab_size=len(tokenizer)), tmp_path / "shared"
+    tokenizer.save_pretrained(folder)
+    (folder / "README.md").write_text("# my notes\n")
+    stranger = {folder / name for name in ("tokenizer.json", "tokenizer_config.json", "README.md")}
+    real_lstat = os.lstat
+
+    def lstat(path, *args, **kwargs):  # the other owner, simulated (the test may not run as root)
+        st = real_lstat(path, *args, **kwargs)
+        if Path(path) in stranger:
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, os.geteuid() + 1, st.st_gid,
+                                   st.st_size, st.st_atime, st.st_mtime, st.st_ctime))
+        return st
+
+    assert model_card.users_readme(folder) and model_card.has_tokenizer(folder)  # the user's own: kept, loaded
+    monkeypatch.setattr(os, "lstat", lstat)
+    assert not model_card.users_readme(folder) and not model_card.has_tokenizer(folder)
+    model.save_pretrained(folder)  # a re-save: the card is written, and loads no tokenizer from the folder
+    assert 'AutoTokenizer.from_pretrained("shared")' not in (folder / "README.md").read_text()
+
+
+def test_card_without_a_tokenizer_names_the_converted_source(tokenizer, tmp_path):
+    """A converted model saved without a tokenizer: the usage loads the tokenizer of the model it was converted
+    from (its Hub id in the config); with its own tokenizer saved, the folder's."""
+    model = tiny(vocab_size=len(tokenizer))
+    model.config.converted_from = "EleutherAI/pythia-70m"
+    model.save_pretrained(tmp_path / "converted", model_card={"repo_id": "me/dcpythia-70m"})
+    text = (tmp_path / "converted" / "README.md").read_text()
+    native, _ = code_blocks(text)
+    assert 'AutoTokenizer.from_pretrained("EleutherAI/pythia-70m")' in native
+    assert 'AutoTokenizer.from_pretrained("me/dcpythia-70m"' not in text
+    assert "the model it was converted from" in text
+
+    tokenizer.save_pretrained(tmp_path / "with-tok")
+    model.save_pretrained(tmp_path / "with-tok", model_card={"repo_id": "me/dcpythia-70m"})
+    native, _ = code_blocks((tmp_path / "with-tok" / "README.md").read_text())
+    assert 'AutoTokenizer.from_pretrained("me/dcpythia-70m")' in native and "EleutherAI" not in native
+
+
+def test_trainer_merge_renames_the_model_not_the_tokenizers_source():
+    config = DCFormerConfig(**TINY)
+    config.converted_from = "EleutherAI/pythia-70m"
+    ours = str(model_card.model_card(config, model_name="local", repo_id="local", tokenizer=False))
+    trainer_card = "---\ntags:\n- generated_from_trainer\n---\n# local\n\n## Training procedure\n\nsteps: 2\n"
+    from modeling_dcformer.publishing.trainer import merge_trainer_card
+
+    merged = merge_trainer_card(ours, trainer_card, repo_id="me/new")
+    assert 'AutoModelForCausalLM.from_pretrained("me/new")' in merged and 'from_pretrained("local"' not in merged
+    assert 'AutoTokenizer.from_pretrained("EleutherAI/pythia-70m")' in merged
+
+
+def test_pushed_card_and_trainer_card_follow_the_tokenizer(fake_hub, tokenizer, tmp_path):
+    """`model.push_to_hub` uploads no tokenizer: its card loads none from the repository. `DCFormerTrainer` saves
+    the tokenizer before the model: the output's card loads it from the folder; without a tokenizer, it does not."""
+    tiny().push_to_hub("me/tiny-dc")
+    readme = fake_hub.upload[-1]["readme"]
+    assert 'AutoTokenizer.from_pretrained("me/tiny-dc"' not in readme and "saved without a tokenizer" in readme
+
+    args = TrainingArguments(str(tmp_path / "out"), report_to="none", use_cpu=True)
+    DCFormerTrainer(model=tiny(vocab_size=len(tokenizer)), args=args, processing_class=tokenizer).save_model()
+    native, _ = code_blocks((tmp_path / "out" / "README.md").read_text())
+    assert 'AutoTokenizer.from_pretrained("out")' in native
+    args = TrainingArguments(str(tmp_path / "bare"), report_to="none", use_cpu=True)
+    DCFormerTrainer(model=tiny(), args=args).save_model()
+    assert 'AutoTokenizer.from_pretrained("bare"' not in (tmp_path / "bare" / "README.md").read_text()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 ".." and symlinks (also to an empty folder) save into the folder they name; three processes saving one folder each
 finish with one whole save; a process loading while another re-saves never mixes two saves; `from_pretrained(root,
 subfolder=...)` works for a released DCFormer++ checkpoint and for our layout. Each of these fails on the code before
-the sharing-layer redesign."""
+the sharing-layer redesign. A destination under a file, a folder name of 250 bytes and a full disk: one line naming the
+folder, the old save whole."""
 
 import json
 import os
@@ -190,3 +191,64 @@ def test_subfolder_of_our_layout(tmp_path):
     assert torch.equal(weights_of(loaded), weights_of(model))
     with pytest.raises(OSError):  # the root itself holds no model
         DCFormerForCausalLM.from_pretrained(tmp_path / "root")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A file in the way, a name near the limit, a full disk: one line naming the folder, the old save whole
+# ----------------------------------------------------------------------------------------------------------------
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_saving_under_a_file_is_one_line_naming_it(tmp_path):
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(NotADirectoryError) as info:  # was FileExistsError "[Errno 17] File exists: '.../f'"
+        tiny().save_pretrained(tmp_path / "f" / "m")
+    assert "\n" not in str(info.value) and f"{tmp_path / 'f'} is a file, not a directory" in str(info.value)
+    assert beside(tmp_path / "f") == ["f"] and (tmp_path / "f").read_text() == "a file"
+
+
+def test_a_folder_name_of_250_bytes_saves_and_resaves(tmp_path):
+    folder = tmp_path / ("m" * 250)  # its hidden siblings' names (".NAME.lock", ".NAME.tmp-...") were too long
+    tiny(0).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    model = tiny(1)
+    model.save_pretrained(folder)
+    assert torch.equal(weights_of(DCFormerForCausalLM.from_pretrained(folder)), weights_of(model))
+    assert (folder / "tokenizer.json").read_text() == "{}" and beside(folder) == [folder.name]
+
+
+def safetensors_disk_full(*args, **kwargs):
+    """What safetensors raises for a full disk: its own error type, the errno only in the message."""
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def config_disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["weights", "config"])
+def test_a_full_disk_keeps_the_old_save_and_is_one_line_naming_the_folder(tmp_path, monkeypatch, where):
+    import transformers.modeling_utils
+    from transformers import PretrainedConfig
+
+    folder = tmp_path / "model"
+    tiny(0).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    old = tree(folder)
+    if where == "weights":
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", safetensors_disk_full)
+    else:
+        monkeypatch.setattr(PretrainedConfig, "save_pretrained", config_disk_full)
+    with pytest.raises(OSError) as info:
+        tiny(1).save_pretrained(folder)
+    message = str(info.value)
+    assert info.value.errno == 28 and "\n" not in message, message
+    assert message.startswith(f"writing {folder} failed: ") and "No space left on device" in message
+    assert "it was left as it was" in message and info.value.__suppress_context__
+    assert tree(folder) == old and beside(folder) == ["model"]
+    monkeypatch.undo()
+    tiny(1).save_pretrained(folder)  # the next save, with space again
+    assert tree(folder)["model.safetensors"] != old["model.safetensors"]

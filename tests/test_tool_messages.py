@@ -1,7 +1,8 @@
 """What the tools say when something outside them goes wrong:
 
 - the converters' `--push-to-hub` with a failing upload: one line (the complete output directory, the failure, the
-  `hf upload` command that retries just the upload), a non-zero exit, the directory left complete;
+  `hf upload` command that retries just the upload with `--private`, no Python and no token), a non-zero exit, the
+  directory left complete;
 - examples/train_clm.py under `accelerate launch --num_processes 2 --cpu` (one process runs): a warning naming the
   routes that do start several CPU processes; under torchrun (two processes run): no warning;
 - examples/demo.py's summary when the benchmark could not measure a ratio: `n/a`, never `nan`, and valid JSON.
@@ -55,7 +56,7 @@ def test_failed_upload_is_one_line_with_the_retry_command(tool, tmp_path, capsys
         src, module, extra = released_dir(tmp_path)[0], released_converter, []
     capsys.readouterr()
     dst = tmp_path / "out dir"  # a space: the retry command must quote it
-    code = module.main([str(src), str(dst), "--push-to-hub", REPO, "--private", *extra])
+    code = module.main([str(src), str(dst), "--push-to-hub", REPO, "--private", "--token", "hf_secret_x", *extra])
     out, err = capsys.readouterr()
 
     lines = [line for line in err.splitlines() if line.strip() and not re.search(r"\d+%\|", line)]  # no progress bars
@@ -65,6 +66,8 @@ def test_failed_upload_is_one_line_with_the_retry_command(tool, tmp_path, capsys
     assert f"saved the model to {dst.resolve()}" in line and REPO in line  # publishing.HubUploadError's own text
     assert "ConnectError: [Errno -3] Temporary failure in name resolution" in line and "25 more" not in line
     assert f"hf upload {REPO} '{dst.resolve()}' --private" in line
+    assert "push_to_hub(" not in line  # a command-line user gets a command, not Python
+    assert "hf_secret_x" not in line and "add --token" in line  # the token is never printed
     assert f"Converted {src}" in out
     # The converted directory is complete: it loads.
     from transformers import AutoModelForCausalLM

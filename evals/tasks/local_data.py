@@ -6,7 +6,8 @@ task's `dataset_kwargs` (which file, which split). The directory is, in order:
 
 1. the `data_dir` argument;
 2. the environment variable ``DCFORMER_EVAL_DATA``;
-3. ``evals/fixtures`` (a few dozen hand-written rows per task, for tests and smoke runs only).
+3. ``evals/fixtures`` (a few dozen hand-written rows per task, for tests and smoke runs only; no answer-length
+   cue: a model that has learned nothing scores near chance, tests/test_fixtures.py).
 
 Files, one JSON object a line, in the schema of the upstream data set the task copies:
 
@@ -18,7 +19,8 @@ Files, one JSON object a line, in the schema of the upstream data set the task c
 
 A task whose upstream draws few-shot examples from a training split (PIQA, HellaSwag) reads them from
 ``<name>.train.jsonl`` when that file exists; without it the training split is empty, which is all a zero-shot
-run needs (``--num_fewshot`` > 0 then fails for want of examples).
+run needs (``dcformer-eval`` and ``evaluate`` refuse a ``--num_fewshot`` above the examples there are before the
+model loads).
 """
 
 from __future__ import annotations

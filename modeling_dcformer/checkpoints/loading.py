@@ -1,6 +1,7 @@
 """What `DCFormerPreTrainedModel.from_pretrained` adds where the package is installed (a save's remote code loads
 without it): a local folder read under `atomic_dir.reading`'s shared lock, a config read from an earlier save read
-again, one line naming an unreadable weight file, and the released checkpoints' query-wise check."""
+again, a shard index naming a file outside its folder refused before transformers follows it, one line naming an
+unreadable weight file, and the released checkpoints' query-wise check."""
 
 from transformers.utils import logging
 
@@ -22,6 +23,7 @@ def from_pretrained(load, source, *args, **kwargs):
         if getattr(config, "save_id", None) not in (None, save_id):  # a config read from an earlier save
             logger.warning(f"{source} was saved again since its config was read: reading the new one")
             kwargs.pop("config")  # (by AutoModel*, say, just before the folder was replaced)
+        weight_files.check_index_names(source, variant=kwargs.get("variant"), **hub_kwargs)
         try:
             return load(source, *args, **kwargs)
         except Exception:  # an unreadable weight file or shard index: one line naming it

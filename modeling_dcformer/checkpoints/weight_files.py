@@ -1,14 +1,76 @@
 """Why a checkpoint's weight files cannot be read: one line naming the file and the reason, after transformers failed
 to load it (empty, truncated, a header that is not JSON, a shard index naming absent shards). Installed package only:
 a load through a save's remote code alone gives transformers' own error.
+
+Also the rule for the shard names of an index (`shard_name_problem`, `check_shard_names`): a `weight_map` entry
+names a file inside the index's folder, never an absolute path or one through "..", which transformers would follow
+(`check_index_names` applies it before a load; the converters apply it to their source).
 """
 
 import json
 import os
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ..checkpoint_checks import listing
+
+
+# The shard indexes transformers reads (`variant` goes before ".json", as transformers' `_add_variant` puts it)
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def shard_name_problem(name) -> str | None:
+    """Why the shard name `name` of a `weight_map` leaves the folder of its index, or is no file name at all: an
+    absolute path, a drive, a ".." part, a backslash (a separator on Windows); None for a name inside the folder,
+    subfolders included. The name is judged, not the file it leads to: a shard that is a symbolic link, as every file
+    of a Hugging Face cache snapshot is (`../../blobs/<hash>`), is the folder owner's and is followed."""
+    if not isinstance(name, str) or not name.strip("./"):
+        return "not a file name"
+    if "\\" in name or "\0" in name:
+        return "a backslash or NUL in a file name"
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).drive or PureWindowsPath(name).root:
+        return "an absolute path"
+    if ".." in name.split("/"):
+        return "a path through \"..\""
+    return None
+
+
+def check_shard_names(index, weight_map: dict) -> None:
+    """Refuses the shard index `index` (its path, for the message) if an entry of its `weight_map` names a file outside
+    its folder (`shard_name_problem`): one ValueError naming the index and the entry."""
+    for key, name in weight_map.items():
+        problem = shard_name_problem(name)
+        if problem:
+            raise ValueError(f"{index}: the weight_map entry {key!r}: {name!r} does not name a file inside "
+                             f"{Path(index).parent} ({problem}); refused: a shard must be a file of the checkpoint's "
+                             "folder")
+
+
+def _with_variant(name: str, variant: str | None) -> str:
+    if not variant:
+        return name
+    stem, suffix = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{suffix}"
+
+
+def check_index_names(source, *, subfolder: str = "", variant: str | None = None, **hub_kwargs) -> None:
+    """Before `from_pretrained` reads `source` (a local folder, or a Hub id whose index is already in the local cache):
+    refuses a shard index naming a file outside its folder (`check_shard_names`). An index that does not read is left
+    to transformers' error (and `describe_unreadable`'s line)."""
+    if source is None:
+        return
+    resolve = _resolver(source, subfolder, **hub_kwargs)
+    for name in INDEX_NAMES:
+        index = resolve(_with_variant(name, variant))
+        if index is None:
+            continue
+        try:
+            content = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if isinstance(weight_map, dict):
+            check_shard_names(index, weight_map)
 
 
 def _resolver(source, subfolder: str = "", **hub_kwargs):
@@ -75,6 +137,10 @@ def _index_problem(index: Path, check_shards: bool = True) -> str | None:
         return f"{index} is not valid JSON ({err}); the index of a sharded checkpoint is corrupt"
     if not isinstance(content, dict) or not isinstance(content.get("weight_map"), dict):
         return f"{index} has no \"weight_map\" object naming the shard of each tensor; the index is corrupt"
+    try:
+        check_shard_names(index, content["weight_map"])
+    except ValueError as err:
+        return str(err)
     shards = set(content["weight_map"].values()) if check_shards else ()
     absent = sorted(str(shard) for shard in shards if not (index.parent / str(shard)).is_file())
     if absent:

@@ -145,16 +145,17 @@ def check_inputs(tokenizer, vocab_size: int) -> torch.Tensor:
 
 
 def save(model, tokenizer, dst: Path, eval_file: Path | None, repo_id: str | None) -> dict:
-    """save_pretrained (model and tokenizer) into a directory that appears only when complete. Where
-    save_pretrained writes a model card, it gets the directory's (or the Hub repo's) name and the lm-eval results."""
+    """save_pretrained (tokenizer, then model: the model's card then loads the tokenizer from the directory) into a
+    directory that appears only when complete. Where save_pretrained writes a model card, it gets the directory's (or
+    the Hub repo's) name and the lm-eval results."""
     from ..checkpoints.atomic_dir import replacing
 
     card = {"model_name": repo_id.split("/")[-1] if repo_id else dst.name, "repo_id": repo_id}
     if eval_file is not None and eval_file.is_file():
         card["eval_results"] = str(eval_file)
     with replacing(dst, overwrite=True) as tmp:
-        model.save_pretrained(tmp, model_card=card)
         tokenizer.save_pretrained(tmp)
+        model.save_pretrained(tmp, model_card=card)
     config = json.loads((dst / "config.json").read_text())
     auto_map = config.get("auto_map")
     files = sorted(p.name for p in dst.iterdir())

@@ -100,7 +100,7 @@ class CPUBackend(DCMHABackend):
     def record_failure(self, err: BaseException) -> None:
         if self.failure is None:  # the library's reason where it could not be built, else what failed
             self.failure = self.library.failure or f"it failed here ({type(err).__name__}: {str(err)[:300]})"
-            logger.warning(f'DCMHA "cpu" {self.failure}; dcmha_implementation="auto" does without it')
+            logger.warning(f'DCMHA "cpu": {self.failure}; dcmha_implementation="auto" does without it')
 
     # -- the interface -------------------------------------------------------------------------------------------
     def project(self, x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: torch.Tensor, rank: int,

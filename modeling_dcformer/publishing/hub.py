@@ -50,31 +50,92 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None
     return upload_folder(folder, full_id, token=token, **upload_kwargs)
 
 
-def retry_upload_command(repo_id: str, directory: str | os.PathLike, private: bool | None = False) -> str:
-    """The shell command that retries just the upload of the complete `directory`."""
-    command = f"hf upload {shlex.quote(repo_id)} {shlex.quote(str(directory))}"
-    return command + " --private" if private else command
+def retry_upload_command(repo_id: str, directory: str | os.PathLike, private: bool | None = False, *,
+                         revision: str | None = None, create_pr: bool = False, exclude: tuple[str, ...] = ()) -> str:
+    """The shell command (huggingface_hub's `hf upload`) that retries just the upload of the complete `directory` with
+    the same choices: `private` (for a repository it creates), `revision` (the branch, created if need be),
+    `create_pr`, and `exclude` (glob patterns of files to leave out). A token is never part of it."""
+    command = ["hf", "upload", repo_id, str(directory)]
+    if private:
+        command.append("--private")
+    if revision:
+        command += ["--revision", revision]
+    if create_pr:
+        command.append("--create-pr")
+    for pattern in exclude:
+        command += ["--exclude", pattern]
+    return shlex.join(command)
+
+
+def retry_call(call: str, *args, **options) -> str:
+    """`call` (e.g. "model.push_to_hub") with `args` and the `options` that were given (None and False left out)."""
+    shown = [repr(arg) for arg in args] + [f"{name}={value!r}" for name, value in options.items()
+                                            if value is not None and value is not False]
+    return f"{call}({', '.join(shown)})"
 
 
 class HubUploadError(OSError):
-    """A failed upload, in one message saying what is saved and how to retry; `cause`: the error behind it (kept here
-    instead of chained: the traceback is one message)."""
+    """A failed upload, in one message saying what is saved and how to retry with the same choices (private,
+    revision, pull request; never the token); `cause`: the error behind it (kept here instead of chained: the
+    traceback is one message). `directory`: the complete folder left locally (None: none), `command`: the shell
+    command that uploads it; `for_command_line()`: the message for a command-line tool (no Python)."""
 
     cause: BaseException | None = None
+    directory: Path | None = None
+    command: str | None = None
+    failure: str = ""
+    call: str | None = None
+    save_call: str = "save_pretrained(DIR)"
+    needs_token: bool = False
 
     @classmethod
-    def of(cls, err: BaseException, repo_id: str, directory=None, private: bool | None = None) -> "HubUploadError":
-        failed = (f"the Hugging Face Hub repository {repo_id!r} failed "
-                  f"({type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]})")
-        retry = f"`model.push_to_hub({repo_id!r})`"
-        error = cls(
-            f"uploading the model to {failed}; nothing was saved locally. Retry with {retry} once the Hub is "
-            "reachable, or save it with save_pretrained(DIR) and upload DIR with `hf upload`" if directory is None else
-            f"saved the model to {directory} (complete: it loads with from_pretrained), but uploading it to {failed}. "
-            f"Retry the upload alone with `{retry_upload_command(repo_id, directory, private)}`, or with {retry}"
-        )
-        error.cause = err
+    def of(cls, err: BaseException, repo_id: str, directory=None, private: bool | None = None, *,
+           revision: str | None = None, create_pr: bool = False, token: str | bool | None = None,
+           call: str | None = "model.push_to_hub", retry: str | None = None, exclude: tuple[str, ...] = (),
+           upload_dir=None, save_call: str | None = None) -> "HubUploadError":
+        """The error for `err` while uploading to `repo_id` with those options. `call`: the Python method that
+        retries it, given `repo_id` and the options (None: none), or `retry`: the whole Python call; `directory`:
+        the complete folder left locally, which `hf upload` can upload instead (`upload_dir`: the folder for that
+        command where none is left yet, written by `save_call`); `exclude`: what that upload leaves out; `token`:
+        given explicitly (it is never shown: the message says to pass it again)."""
+        first = (str(err).strip().splitlines() or [""])[0]
+        if isinstance(token, str) and token:
+            first = first.replace(token, "***")
+        error = cls()
+        error.cause, error.directory = err, directory
+        error.failure = f"the Hugging Face Hub repository {repo_id!r} failed ({type(err).__name__}: {first})"
+        error.call = retry or (None if call is None else retry_call(call, repo_id, private=private,
+                                                                     revision=revision, create_pr=create_pr))
+        folder = directory if directory is not None else upload_dir if upload_dir is not None else "DIR"
+        error.command = retry_upload_command(repo_id, folder, private, revision=revision, create_pr=create_pr,
+                                             exclude=exclude)
+        error.needs_token = isinstance(token, str) and bool(token)
+        error.save_call = save_call or error.save_call
+        error.args = (error._text(python=True),)
         return error
 
+    def _text(self, python: bool, token_given: bool = False) -> str:
+        call = self.call if python else None
+        token = ""
+        if self.needs_token or token_given:
+            token = (" (pass your token again as token=...: it is not shown here)" if call else
+                     " (add --token with your token, or log in with `hf auth login`)")
+        if self.directory is None:
+            retry = f"Retry with `{call}` once the Hub is reachable, or save" if call else "Save"
+            folder = "DIR" if "DIR" in self.save_call else "it"
+            return (f"uploading the model to {self.failure}; nothing was saved locally. {retry} it with "
+                    f"`{self.save_call}` and upload {folder} with `{self.command}`{token}")
+        retry = f"Retry the upload alone with `{self.command}`" + (f", or with `{call}`" if call else "")
+        return (f"saved the model to {self.directory} (complete: it loads with from_pretrained), but uploading it to "
+                f"{self.failure}. {retry}{token}")
 
-__all__ = ["HubUploadError", "push_folder", "retry_upload_command", "upload_folder"]
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+    def for_command_line(self, token_given: bool = False) -> str:
+        """The message for a command-line tool's user: the `hf upload` command that uploads the complete folder,
+        no Python; `token_given`: a token was given on the command line (the message says how to pass it again)."""
+        return self._text(python=False, token_given=token_given)
+
+
+__all__ = ["HubUploadError", "push_folder", "retry_call", "retry_upload_command", "upload_folder"]

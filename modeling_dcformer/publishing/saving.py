@@ -21,7 +21,7 @@ from ..checkpoint_checks import listing
 from ..checkpoints import atomic_dir
 from .eval_results import read_eval_results
 from .hub import HubUploadError, push_folder, upload_folder
-from .model_card import card_options, check_repo_id, is_generated_card, users_readme, write_model_card
+from .model_card import card_options, check_repo_id, has_tokenizer, is_generated_card, users_readme, write_model_card
 
 logger = logging.get_logger(__name__)
 
@@ -31,6 +31,8 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_dcformer.DCFormerForCausalLM",
 }
 SAVE_ID_KEY = "save_id"  # config.json's random id of each save: a load that sees it change reads the config again
+# (the shard index's "metadata" carries it too: the remote code refuses a load mixing two saves, checkpoint_checks.py)
+_INDEX_FILE = re.compile(r"^(model\.safetensors|pytorch_model\.bin)\.index(\.[^.]+)?\.json$")
 # Weight files of an earlier save: never carried into a new save (they are what it replaces).
 _WEIGHT_FILE = re.compile(
     r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)$"
@@ -63,7 +65,20 @@ def update_config_file(directory: str | os.PathLike, auto_map: bool = True, save
         config["model_type"] = "dcformer"
     if save_id is not None:
         config[SAVE_ID_KEY] = save_id
+        stamp_indexes(directory, save_id)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def stamp_indexes(directory: str | os.PathLike, save_id: str) -> None:
+    """The save's `save_id` in the "metadata" of each shard index of `directory` (transformers passes it to the load
+    as the index's metadata, so the load can tell a config and shards of two saves apart)."""
+    for index_file in Path(directory).iterdir():
+        if not _INDEX_FILE.match(index_file.name):
+            continue
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+        if isinstance(index, dict) and isinstance(index.get("metadata"), dict):
+            index["metadata"][SAVE_ID_KEY] = save_id
+            index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def write_remote_code(directory: str | os.PathLike) -> None:
@@ -78,7 +93,9 @@ def finish_directory(model, directory: Path, *, remote_code: bool, card: dict | 
     if not remote_code:
         for source in remote_code_files():
             (directory / source.name).unlink(missing_ok=True)
-    update_config_file(directory, auto_map=remote_code, save_id=uuid.uuid4().hex)
+    save_id = uuid.uuid4().hex
+    update_config_file(directory, auto_map=remote_code, save_id=save_id)
+    model.config.save_id = save_id  # the config of the model as saved last (a config saved alone there matches it)
     if card is not None:
         write_model_card(directory, model.config, **card)
 
@@ -119,6 +136,8 @@ def save_pretrained(model, save_directory, *args, remote_code: bool = True, mode
         card["repo_id"] = card.get("repo_id") or repo_id
         if not card.get("overwrite") and users_readme(target):
             card = None  # the user's README.md stays (carried over into the new save)
+        elif card.get("tokenizer") is None and has_tokenizer(target):
+            card["tokenizer"] = True  # the tokenizer saved there before is carried over into the new save
     if not on_this_rank or getattr(model, "_tp_size", None) is not None:  # collective: every rank, in place
         PreTrainedModel.save_pretrained(model, save_directory, *args, **kwargs)
         if on_this_rank:
@@ -135,7 +154,8 @@ def save_pretrained(model, save_directory, *args, remote_code: bool = True, mode
         try:
             push_folder(target, repo_id, card=None if card is None else (model.config, card), **upload)
         except Exception as err:
-            raise HubUploadError.of(err, repo_id, target, upload.get("private")) from None
+            raise HubUploadError.of(err, repo_id, target, upload.get("private"), revision=upload.get("revision"),
+                                    create_pr=upload.get("create_pr", False), token=upload.get("token")) from None
 
 
 def push_to_hub(model, repo_id: str, *, remote_code: bool = True, overwrite_model_card: bool = False,
@@ -166,7 +186,8 @@ def push_to_hub(model, repo_id: str, *, remote_code: bool = True, overwrite_mode
                                  commit_message=commit_message, commit_description=commit_description,
                                  overwrite_model_card=True)
     except Exception as err:
-        raise HubUploadError.of(err, repo_id, private=private) from None
+        raise HubUploadError.of(err, repo_id, private=private, revision=revision, create_pr=create_pr,
+                                token=token) from None
 
 
 __all__ = ["AUTO_MAP", "push_to_hub", "remote_code_files", "save_pretrained", "write_remote_code"]

@@ -28,11 +28,16 @@ installed beside this module: `dcformer-train --print-accelerate-config NAME` pr
 result (with `import modeling_dcformer` first), and the tokenizer is saved beside it.
 
 Bad input and runs that go wrong end in one line (`error: ...`, exit code 2) naming the flag, file or value:
-a missing model, data too short for one block, an unwritable output folder, a full disk, a diverged run.
-Checkpoints that cannot be resumed from (interrupted, truncated, non-finite weights) are set aside with a warning.
+a missing model, data too short for one block, an unwritable output folder, a full disk (checkpoints, the final
+save, the datasets cache), a diverged run, a Hub that cannot be reached with --push_to_hub (before training). The
+flags are checked before the settings are printed. Checkpoints that cannot be resumed from (interrupted, truncated,
+non-finite weights, a state file that `torch.load(weights_only=True)` refuses) are set aside with a warning. When
+only the final upload fails (--push_to_hub), the output folder is complete and one line gives the `hf upload`
+command that uploads it (exit code 3).
 """
 
 import codecs
+import contextlib
 import errno
 import json
 import logging
@@ -50,6 +55,7 @@ import datasets
 import torch
 from datasets import load_dataset
 from datasets.exceptions import DatasetGenerationError
+from huggingface_hub import is_offline_mode
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -65,6 +71,7 @@ from transformers.utils import logging as hf_logging
 
 from .. import DCFormerConfig  # importing the package registers "dcformer"/"dcpythia" with the Auto classes
 from ..configuration import config_file
+from ..publishing.hub import HubUploadError
 from ..publishing.trainer import DCFormerTrainer
 
 logger = hf_logging.get_logger("dcformer.train_clm")
@@ -82,6 +89,41 @@ def one_line(err: BaseException) -> str:
     """An exception's message on one line (its lines joined; the type when it has no message)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return " ".join(lines) if lines else type(err).__name__
+
+
+def _causes(err: BaseException):
+    """`err` and the errors behind it (`__cause__`, `__context__`), each once."""
+    seen = []
+    while err is not None and not any(err is e for e in seen):
+        seen.append(err)
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def write_failure(err: BaseException, where: str | os.PathLike | None = None) -> str | None:
+    """Why a write failed, in words, or None when `err` is no failed write: an OSError with an errno (or a "No space
+    left" message), safetensors' error for an I/O failure, or torch.save's RuntimeError for a file it could not finish
+    (it carries no errno: a nearly full disk at `where` is then named as the likely reason)."""
+    for e in _causes(err):
+        text = str(e)
+        if isinstance(e, OSError) and (e.errno or "No space left" in text):
+            code = e.errno or errno.ENOSPC
+            return os.strerror(code) + (" (the disk is full)" if code in DISK_FULL else "")
+        if type(e).__name__ == "SafetensorError" and "I/O error" in text:
+            return text.split("I/O error:", 1)[1].strip() + (" (the disk is full)" if "No space left" in text else "")
+        if isinstance(e, RuntimeError) and any(
+                mark in text for mark in ("PytorchStreamWriter", "inline_container", "file write failed")):
+            free = None
+            try:
+                free = shutil.disk_usage(where).free if where is not None else None
+            except OSError:
+                pass
+            full = f" (the disk is full: {free // 1024} KiB free)" if free is not None and free < 16 << 20 else ""
+            return f"torch.save could not finish the file ({one_line(e)}){full}"
+    return None
 
 
 def check_model_source(flag: str, name: str) -> None:
@@ -193,6 +235,10 @@ class DataTrainingArguments:
                 raise TrainingError(f"--{name} must be a .txt, .json or .jsonl file, got {path!r}")
         if not 0 < self.validation_split_percentage < 100:
             raise TrainingError("--validation_split_percentage must be between 1 and 99")
+        for name in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise TrainingError(f"--{name} {value}: give a positive number of blocks (or leave it out for all)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -376,6 +422,8 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
     try:
         raw = load_dataset(builder, streaming=data_args.streaming, **kwargs)
     except (UnicodeDecodeError, ValueError, DatasetGenerationError) as err:  # not text / not JSON lines
+        if (cache_error := datasets_cache_error(err, model_args)) is not None:
+            raise cache_error from None
         names = " / ".join(f"--{split}_file {path}" for split, path in data_files.items())
         cause = err.__cause__ or err.__context__ or err
         raise TrainingError(f"{names}: not readable as {builder} ({one_line(cause)})") from None
@@ -392,6 +440,17 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
                 f"{p}% for validation: give a --validation_file, more text, or a larger --validation_split_percentage"
             ) from None
     return raw
+
+
+def datasets_cache_error(err: BaseException, model_args: ModelArguments) -> TrainingError | None:
+    """A write into the datasets cache that failed (a full disk, a read-only folder), as one line naming the cache
+    (not the data file being read then); None for any other error."""
+    for e in _causes(err):
+        if isinstance(e, OSError) and (e.errno in (*DISK_FULL, errno.EROFS) or "No space left" in str(e)):
+            cache = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE
+            return TrainingError(f"could not write the datasets cache {cache}: {write_failure(e)}; free space there, "
+                                 "or pass --cache_dir with a folder on another disk")
+    return None
 
 
 def check_data_files(data_args: DataTrainingArguments) -> None:
@@ -524,7 +583,9 @@ def checkpoint_problem(path) -> tuple[str, str] | None:
     * "incomplete": no readable `trainer_state.json` (Trainer writes it last: the write was interrupted);
     * "corrupt": a weights file that safetensors cannot read (truncated, garbage), or an optimizer / scheduler /
       RNG state that is not a whole torch zip archive (its central directory, at the end, is missing);
-    * "nonfinite": weights that hold NaN or inf (a run that diverged before this guard existed).
+    * "nonfinite": weights that hold NaN or inf (a run that diverged before this guard existed);
+    * "unloadable": an RNG, scheduler or gradient-scaler state that `torch.load(weights_only=True)` refuses, with the
+      globals Trainer allows (it holds objects of other kinds: written by other versions, or planted).
     Reads every weight once (safetensors, memory-mapped); FSDP's sharded folders are checked for their state only."""
     import zipfile
 
@@ -540,6 +601,8 @@ def checkpoint_problem(path) -> tuple[str, str] | None:
                 pass
         except (OSError, zipfile.BadZipFile) as err:
             return "corrupt", f"{state.name} is truncated or unreadable ({one_line(err)})"
+    if (refused := refused_state(path)) is not None:
+        return "unloadable", refused
     bad, total = [], 0
     for weights in sorted(Path(path).glob("*.safetensors")):
         try:
@@ -556,11 +619,31 @@ def checkpoint_problem(path) -> tuple[str, str] | None:
     return None
 
 
+WEIGHTS_ONLY_STATES = ("rng_state*.pth", "scheduler.pt", "scaler.pt")  # small: loaded whole to check them
+
+
+def refused_state(path) -> str | None:
+    """Why `torch.load(weights_only=True)` refuses a state file of the checkpoint `path` that Trainer loads so on
+    resuming (the RNG, scheduler and scaler states, with Trainer's allowed numpy globals), or None."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    for state in sorted(p for pattern in WEIGHTS_ONLY_STATES for p in Path(path).glob(pattern)):
+        try:
+            with safe_globals():
+                torch.load(state, map_location="cpu", weights_only=True)
+        except Exception as err:  # pickle.UnpicklingError, RuntimeError, ...: whatever stops Trainer's load
+            text = str(err)
+            detail = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\n|$)", text)
+            return (f"torch.load(weights_only=True) refuses {state.name} "
+                    f"({detail.group(1).strip() if detail else one_line(err)})")
+    return None
+
+
 def newest_complete_checkpoint(output_dir, set_aside: bool = False) -> str | None:
     """The newest checkpoint of `output_dir` that can be resumed from (`checkpoint_problem`), warning about each
     newer one that cannot; with `set_aside` (the main process) those are renamed `TAG-checkpoint-N` (TAG:
-    incomplete, corrupt, nonfinite), so that neither this run nor a later one picks them, and Trainer does not keep
-    them instead of good ones when it rotates checkpoints (--save_total_limit)."""
+    incomplete, corrupt, nonfinite, unloadable), so that neither this run nor a later one picks them, and Trainer
+    does not keep them instead of good ones when it rotates checkpoints (--save_total_limit)."""
     for checkpoint in reversed(sort_checkpoints(output_dir)):  # newest first (by step)
         problem = checkpoint_problem(checkpoint)
         if problem is None:
@@ -675,24 +758,27 @@ def check_finite(model, what: str) -> None:
 
 
 class CheckpointTrainer(DCFormerTrainer):
-    """`DCFormerTrainer` (Trainer keeping DCFormer's model card on `--push_to_hub`); a checkpoint whose write fails (a full disk, a folder turned read-only) ends the run with
-    one line naming it, and the half-written `checkpoint-N` is removed, so that no later run takes it for one."""
+    """`DCFormerTrainer` (Trainer keeping DCFormer's model card on `--push_to_hub`); a checkpoint whose write fails
+    (a full disk, a folder turned read-only: an OSError, safetensors' I/O error or torch.save's RuntimeError) ends the
+    run with one line naming it, and the half-written `checkpoint-N` is removed (after any other error too), so that
+    no later run takes it for one."""
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         existed = folder.exists()
         try:
             super()._save_checkpoint(model, trial)
-        except OSError as err:
+        except Exception as err:
+            reason = write_failure(err, folder.parent)  # before the partial checkpoint frees its space
             removed = ""
             if self.args.should_save and not existed and folder.exists():
                 shutil.rmtree(folder, ignore_errors=True)
                 removed = "; the partial checkpoint was removed"
-            reason = os.strerror(err.errno) if err.errno else one_line(err)
-            hint = " (the disk is full)" if err.errno == errno.ENOSPC else ""
+            if reason is None and not isinstance(err, OSError):
+                raise  # no failed write: the error as it is
             raise TrainingError(
-                f"could not write checkpoint {folder}: {reason}{hint}{removed}; earlier checkpoints are kept: free "
-                "space (or lower --save_total_limit) and run again to resume"
+                f"could not write checkpoint {folder}: {reason or one_line(err)}{removed}; earlier checkpoints are "
+                "kept: free space (or lower --save_total_limit) and run again to resume"
             ) from None
 
 
@@ -758,12 +844,20 @@ def process_count_warning(env, world_size: int, launcher_argv: list[str]) -> str
 # Main
 # ----------------------------------------------------------------------------------------------------------------
 def check_training_args(training_args) -> None:
-    """TrainingArguments values that Trainer would accept and act on wrongly, and what the model needs by default."""
+    """TrainingArguments values that Trainer would accept and act on wrongly (or fail on later with a traceback), and
+    what the model needs by default."""
     if training_args.max_steps == 0 or training_args.max_steps < -1:
         raise TrainingError(
             f"--max_steps {training_args.max_steps}: give a positive number of optimizer steps (or leave it out and "
             "train --num_train_epochs)"
         )
+    counts = [("per_device_train_batch_size", training_args.do_train), ("per_device_eval_batch_size",
+              training_args.do_eval), ("gradient_accumulation_steps", training_args.do_train)]
+    for name, used in counts:
+        if used and getattr(training_args, name) < 1:
+            raise TrainingError(f"--{name} {getattr(training_args, name)}: give a positive number")
+    if not math.isfinite(training_args.learning_rate) or training_args.learning_rate < 0:
+        raise TrainingError(f"--learning_rate {training_args.learning_rate}: give a finite number, 0 or more")
     if training_args.ddp_find_unused_parameters is None:
         # Every parameter of a DCFormer takes part in every forward pass (tests/test_train_faults.py checks it with
         # a config that uses every weight), so DDP need not search the graph for unused ones (the search costs a
@@ -794,10 +888,22 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    # Every flag is checked before the settings are printed: a refusal is one line, not one after ~160.
     model_args, data_args, training_args = parse_args(argv)
     if model_args.model_name_or_path is None and model_args.config_name is None:
         raise TrainingError("Need --model_name_or_path (a model to fine-tune) or --config_name (a preset to train).")
     check_training_args(training_args)
+    if data_args.dataset_name is None:
+        check_data_files(data_args)
+    if training_args.push_to_hub and is_offline_mode():
+        raise TrainingError("--push_to_hub: the Hub cannot be reached in offline mode (HF_HUB_OFFLINE=1): unset it, or "
+                            "train without --push_to_hub and upload --output_dir afterwards with `hf upload`")
+    on_cpu = training_args.device.type == "cpu"
+    if training_args.deepspeed and on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise TrainingError(
+            "DeepSpeed with several CPU processes does not work through accelerate (it sees world size 1 in each "
+            "process and DeepSpeed's batch-size check fails): run DeepSpeed on GPUs, or a single process on the CPU."
+        )
 
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
@@ -813,7 +919,15 @@ def main(argv=None):
     hf_logging.set_verbosity(log_level)
     hf_logging.enable_default_handler()
     hf_logging.enable_explicit_format()
-    logger.warning(
+
+    # A previous run in output_dir is resumed unless asked otherwise (from its newest complete checkpoint).
+    resume_from = resume_checkpoint(training_args, data_args)
+    if training_args.process_index == 0 and (training_args.do_train or training_args.should_save):
+        check_output_dir(training_args.output_dir)
+
+    # Information; with several processes each says which it is at warning level, the one level a replica shows.
+    say = logger.warning if training_args.world_size > 1 else logger.info
+    say(
         f"process rank {training_args.process_index} of {training_args.world_size}, device {training_args.device}, "
         f"distributed {training_args.parallel_mode.value}, mixed precision "
         f"{'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'no'}"
@@ -821,26 +935,18 @@ def main(argv=None):
     fewer_processes = process_count_warning(os.environ, training_args.world_size, launcher_command())
     if fewer_processes:
         logger.warning(fewer_processes)
-    on_cpu = training_args.device.type == "cpu"
     if training_args.fp16 and on_cpu:
         logger.warning(
             "--fp16 on CPU: accelerate has no fp16 autocast on the CPU and trains in fp32; use --bf16 there."
         )
-    if training_args.deepspeed and on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise TrainingError(
-            "DeepSpeed with several CPU processes does not work through accelerate (it sees world size 1 in each "
-            "process and DeepSpeed's batch-size check fails): run DeepSpeed on GPUs, or a single process on the CPU."
-        )
     logger.info(f"training parameters {training_args}")
-
-    # A previous run in output_dir is resumed unless asked otherwise (from its newest complete checkpoint).
-    resume_from = resume_checkpoint(training_args, data_args)
-    if training_args.process_index == 0 and (training_args.do_train or training_args.should_save):
-        check_output_dir(training_args.output_dir)
 
     set_seed(training_args.seed)
 
-    raw = load_raw_datasets(data_args, model_args)
+    try:
+        raw = load_raw_datasets(data_args, model_args)
+    except OSError as err:
+        raise datasets_cache_error(err, model_args) or err from None
     config = load_config(model_args)
 
     def training_texts():
@@ -852,7 +958,12 @@ def main(argv=None):
     tokenizer = load_tokenizer(model_args, training_texts, resume_from)
     model = build_model(model_args, config, tokenizer)
     block_size = pick_block_size(data_args, tokenizer, model.config)
-    packed = tokenize_and_pack(raw, data_args, training_args, tokenizer, block_size)
+    try:
+        packed = tokenize_and_pack(raw, data_args, training_args, tokenizer, block_size)
+    except Exception as err:  # the datasets library's own errors wrap the OSError of a full cache
+        if (cache_error := datasets_cache_error(err, model_args)) is None:
+            raise
+        raise cache_error from None
 
     train_dataset = eval_dataset = None
     if training_args.do_train:
@@ -871,14 +982,20 @@ def main(argv=None):
                 "--validation_file or raise --validation_split_percentage"
             )
 
-    trainer = CheckpointTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        data_collator=default_data_collator,  # blocks are all block_size long: no padding
-    )
+    try:
+        trainer = CheckpointTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            data_collator=default_data_collator,  # blocks are all block_size long: no padding
+        )
+    except HubUploadError as err:  # --push_to_hub: the repository could not be created (offline, no token, ...)
+        raise TrainingError(
+            f"--push_to_hub: creating {err.failure}; nothing was trained. Run again once the Hub is reachable, or "
+            f"without --push_to_hub and upload --output_dir after training with `{err.command}`"
+        ) from None
     trainer.add_callback(StopOnNonFinite(trainer))
 
     fsdp_requested = bool(training_args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
@@ -888,6 +1005,7 @@ def main(argv=None):
             "trains with plain DDP (every process holds the whole model)."
         )
 
+    upload_error = None  # --push_to_hub: the final upload failed (the output folder is complete)
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=resume_from)
         # A model that generates: Trainer turns the cache off (TrainingArguments.use_cache) while training.
@@ -895,19 +1013,18 @@ def main(argv=None):
         if trainer.is_fsdp_enabled:  # sharded checkpoints while training, one loadable model at the end
             trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
         check_finite(trainer.model, f"the final model to {training_args.output_dir}")
-        try:
-            trainer.save_model()  # model (safetensors, config) and tokenizer
-        except OSError as err:
-            raise TrainingError(
-                f"could not save the final model to {training_args.output_dir}: {one_line(err)} (the checkpoints "
-                "written before are kept)"
-            ) from None
+        with final_writes(training_args.output_dir, "save the final model to"):
+            try:
+                trainer.save_model()  # tokenizer, model (safetensors, config); with --push_to_hub, the upload
+            except HubUploadError as err:  # the folder is complete; said at the end, after the metrics and state
+                upload_error = err
         metrics = train_result.metrics
         if not data_args.streaming:
             metrics["train_samples"] = len(train_dataset)
         trainer.log_metrics("train", metrics)
-        trainer.save_metrics("train", metrics)
-        trainer.save_state()
+        with final_writes(training_args.output_dir, "write the training metrics and state into"):
+            trainer.save_metrics("train", metrics)
+            trainer.save_state()
 
     if training_args.do_eval:
         logger.info("*** Evaluate ***")
@@ -919,11 +1036,32 @@ def main(argv=None):
         except OverflowError:
             metrics["perplexity"] = float("inf")
         trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
+        with final_writes(training_args.output_dir, "write the evaluation metrics into"):
+            trainer.save_metrics("eval", metrics)
         if trainer.is_world_process_zero():
             print(f"eval_loss = {metrics['eval_loss']:.4f}  perplexity = {metrics['perplexity']:.2f}", flush=True)
 
+    if upload_error is not None:
+        raise upload_error
     return trainer
+
+
+@contextlib.contextmanager
+def final_writes(output_dir: str, what: str):
+    """A failed write inside (a full disk: an OSError, safetensors' or torch.save's error) is one line naming
+    `output_dir`, saying the result there is incomplete; other errors pass as they are."""
+    try:
+        yield
+    except HubUploadError:
+        raise
+    except Exception as err:
+        reason = write_failure(err, output_dir)
+        if reason is None and not isinstance(err, OSError):
+            raise
+        raise TrainingError(
+            f"could not {what} {output_dir}: {reason or one_line(err)}; what is there is incomplete (the checkpoints "
+            "written before are kept): free space and run again to resume from the last one"
+        ) from None
 
 
 def accelerate_configs() -> list[str]:
@@ -956,6 +1094,9 @@ def cli(argv=None) -> int:
     except TrainingError as err:  # bad input or a diverged run: one line, not a traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except HubUploadError as err:  # --push_to_hub: only the upload failed, the output folder is complete
+        print(f"error: {err.for_command_line()}", file=sys.stderr)
+        return 3
     return 0
 
 
