@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import shutil
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,6 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from transformers.utils import logging
 
 from modeling_dcformer.checkpoints import atomic_dir
@@ -31,8 +31,11 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
 )
+SOURCE_CARD = "README.md"  # the source's model card, downloaded with it: its licence (`card_metadata`)
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
 
 
@@ -72,7 +75,7 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
     has_safetensors = any(name.endswith(".safetensors") for name in files)
     weights = [p for p in WEIGHT_PATTERNS if ("safetensors" in p) == has_safetensors]
     try:
-        patterns = ["config.json", *weights, *TOKENIZER_FILES]
+        patterns = ["config.json", *weights, *TOKENIZER_FILES, SOURCE_CARD]
         return Path(snapshot_download(src, revision=revision, allow_patterns=patterns))
     except Exception as err:
         raise OSError(f"downloading {src!r} from the Hub failed ({one_line(err)}); run again to resume it") from None
@@ -137,21 +140,65 @@ def shard_keys(path: Path) -> list[str]:
         raise unreadable(path, err) from None
 
 
+# safetensors' dtype names, for the files read and written here without the whole file mapped into memory
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """(the header's tensor entries, where the data starts) of a safetensors file that `safe_open` has validated."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def read_into(f, tensor: torch.Tensor, offset: int) -> bool:
+    """Fill `tensor` (contiguous) with the bytes of the open file `f` from `offset`; False if the file ends first."""
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        count = f.readinto(view[done:])
+        if not count:
+            return False
+        done += count
+    return True
+
+
 def iter_shard(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors of one weight file, read one at a time (safetensors) or memory-mapped (.bin). A file that cannot be
-    read is a one-line ValueError naming it."""
+    read is a one-line ValueError naming it. A safetensors file is validated by `safe_open`, then each tensor is read
+    with plain reads into its own memory: a mapping of the whole file would keep every page read so far resident in
+    the process until the file is closed (a single-file checkpoint: all of it)."""
     if path.suffix == ".safetensors":
         try:
-            handle = safe_open(str(path), framework="pt")
-        except (SafetensorError, OSError, RuntimeError) as err:
+            with safe_open(str(path), framework="pt") as f:
+                keys = list(f.keys())
+            header, start = safetensors_header(path)
+        except (SafetensorError, OSError, RuntimeError, ValueError, struct.error) as err:
             raise unreadable(path, err) from None
-        with handle as f:
-            for key in f.keys():
-                try:
-                    tensor = f.get_tensor(key)
-                except (SafetensorError, OSError, RuntimeError) as err:
-                    raise unreadable(path, err) from None
+        with open(path, "rb", buffering=0) as f:
+            for key in keys:
+                entry = header[key]
+                dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+                if dtype is None:  # a dtype read here without a mapping: safetensors' own reader, for this tensor
+                    try:
+                        with safe_open(str(path), framework="pt") as mapped:
+                            tensor = mapped.get_tensor(key)
+                    except (SafetensorError, OSError, RuntimeError) as err:
+                        raise unreadable(path, err) from None
+                else:
+                    tensor = torch.empty(entry["shape"], dtype=dtype)
+                    if not read_into(f, tensor, start + entry["data_offsets"][0]):
+                        raise unreadable(path, EOFError(f"the file ends inside the tensor {key!r}"))
                 yield key, tensor
+                del tensor  # not kept while the next one is read
     else:
         try:
             state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
@@ -186,36 +233,79 @@ def parse_size(size: str | int) -> int:
     return int(number * factor)
 
 
+def append_file(out, path: Path) -> None:
+    """The bytes of the file `path` appended to the open file `out` (copied by the kernel where it can)."""
+    with open(path, "rb") as data:
+        size, done = os.fstat(data.fileno()).st_size, 0
+        out.flush()
+        try:
+            while done < size:
+                copied = os.copy_file_range(data.fileno(), out.fileno(), size - done)
+                if copied == 0:
+                    break
+                done += copied
+        except (AttributeError, OSError) as err:  # no copy_file_range (or not across these file systems)
+            if isinstance(err, OSError) and err.errno in DISK_FULL:
+                raise
+        if done < size:
+            data.seek(done)
+            out.seek(0, os.SEEK_END)
+            shutil.copyfileobj(data, out, 16 << 20)
+
+
 class ShardWriter:
-    """Writes tensors into safetensors shards of at most `max_shard_size` bytes, holding one shard in memory,
-    then the index (`model.safetensors.index.json`) or a single `model.safetensors`."""
+    """Writes tensors into safetensors shards of at most `max_shard_size` bytes, then the index
+    (`model.safetensors.index.json`) or a single `model.safetensors`. It streams: each tensor's bytes go to a data
+    file as it is added (nothing is kept in memory); `flush` writes the shard, its header then that data."""
 
     def __init__(self, directory: Path, max_shard_size: int):
         self.directory = directory
         self.max_shard_size = max_shard_size
-        self.buffer: dict[str, torch.Tensor] = {}
-        self.buffer_bytes = 0
+        self.entries: dict[str, dict] = {}  # the current shard's header entries
+        self.buffer_bytes = 0  # its data's size
+        self.data = None  # its data file, open
         self.shards: list[tuple[str, list[str]]] = []
         self.total_bytes = 0
 
+    def shard_name(self) -> str:
+        return f"shard-{len(self.shards):05d}.tmp"
+
     def add(self, key: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
-        if self.buffer and self.buffer_bytes + size > self.max_shard_size:
+        if self.entries and self.buffer_bytes + size > self.max_shard_size:
             self.flush()
-        self.buffer[key] = tensor.contiguous()
+        if tensor.dtype not in DTYPE_NAMES:
+            raise ValueError(f"{key}: dtype {tensor.dtype} cannot be saved in safetensors by this converter")
+        data_path = self.directory / (self.shard_name() + ".data")
+        try:
+            if self.data is None:
+                self.data = open(data_path, "wb")
+            if size:
+                self.data.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        except OSError as err:
+            raise write_error(data_path, err) from None
+        offsets = [self.buffer_bytes, self.buffer_bytes + size]
+        self.entries[key] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": offsets}
         self.buffer_bytes += size
         self.total_bytes += size
 
     def flush(self) -> None:
-        if not self.buffer:
+        if not self.entries:
             return
-        name = f"shard-{len(self.shards):05d}.tmp"
+        name = self.shard_name()
+        data_path = self.directory / (name + ".data")
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned (as safetensors' own writer does)
         try:
-            save_file(self.buffer, str(self.directory / name), metadata={"format": "pt"})
-        except (SafetensorError, OSError) as err:  # safetensors reports a full disk as its own error type
+            self.data.close()
+            with open(self.directory / name, "wb") as out:
+                out.write(struct.pack("<Q", len(header)) + header)
+                append_file(out, data_path)
+            os.remove(data_path)
+        except OSError as err:
             raise write_error(self.directory / name, err) from None
-        self.shards.append((name, list(self.buffer)))
-        self.buffer, self.buffer_bytes = {}, 0
+        self.shards.append((name, list(self.entries)))
+        self.entries, self.buffer_bytes, self.data = {}, 0, None
 
     def finish(self) -> list[str]:
         """Names the shards in transformers' scheme and writes the index; returns the weight file names."""
@@ -236,7 +326,7 @@ class ShardWriter:
 
 def cast_checkpoint(src: Path, dst: Path, dtype: torch.dtype, max_shard_size: int) -> list[str]:
     """Write the weights of the checkpoint directory `src` into `dst`, cast to `dtype`, in shards of at most
-    `max_shard_size` bytes (one tensor and one output shard in memory at a time). Returns the weight file names."""
+    `max_shard_size` bytes (one tensor in memory at a time). Returns the weight file names."""
     writer = ShardWriter(dst, max_shard_size)
     for file in weight_files(src):
         for key, tensor in iter_shard(file):

@@ -120,9 +120,10 @@ class Converter:
     """One conversion of `src` into `dst` with `options` (an instance of `options_class`). A converter subclasses it,
     sets the class attributes and fills in the hooks; `convert` and `main` are then its Python function and its
     command. Required: `make_config`, `map_tensor`. Optional: `check_options`, `conversion_record`, `added_tensors`,
-    `will_verify`, `verify`, `verify_cast`, `summary`. During a run the hooks can read `src_dir` (the source folder),
-    `config` (once made), `shapes` (every tensor the model needs, with its shape), `dtype` (`--dtype` as a torch
-    dtype, or None), `files` (the source's weight files) and `written` (what was written: key -> dtype as given)."""
+    `will_verify`, `verify`, `verify_cast`, `summary`, `card_metadata`. During a run the hooks can read `src_dir`
+    (the source folder), `config` (once made), `shapes` (every tensor the model needs, with its shape), `dtype`
+    (`--dtype` as a torch dtype, or None), `files` (the source's weight files) and `written` (what was written:
+    key -> dtype as given)."""
 
     tool = "dcformer-convert"  # the command: conversion.tool in the output's config.json
     options_class: type = ConversionOptions
@@ -179,6 +180,11 @@ class Converter:
     def summary(self) -> str:
         """The end of the line "Converted SRC -> DST (...)"."""
         return f"{len(self.written)} tensors"
+
+    def card_metadata(self) -> dict:
+        """The model card's licence metadata (`license`, and `license_name`, `license_link` for "other"): `--license`
+        by default."""
+        return {"license": self.options.license}
 
     # ------------------------------------------------------------------------------------------------------------
     # The pipeline
@@ -271,6 +277,7 @@ class Converter:
                         raise ValueError(f"{file.name}: {err}") from None
                     for key, converted in mapped:
                         self.put(writer, key, converted, source_key, dtype)
+                    tensor = mapped = converted = None  # written: not kept while the next one is read
         for key, tensor in self.added_tensors():
             self.put(writer, key, tensor, "(new)", dtype)
         missing = sorted(set(self.shapes) - set(self.written))
@@ -305,5 +312,4 @@ class Converter:
         stamp_indexes(tmp, self.config.save_id)
         copied = copy_tokenizer_files(self.src_dir, tmp)
         logger.info(f"copied tokenizer files: {copied}")
-        options = self.options
-        write_shareable(tmp, self.config, self.dst.name, repo_id=options.push_to_hub, license=options.license)
+        write_shareable(tmp, self.config, self.dst.name, repo_id=self.options.push_to_hub, **self.card_metadata())

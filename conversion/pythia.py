@@ -11,14 +11,15 @@ the vocabulary (padded rows included), rotary fraction and base, norms, residual
 positions are kept. qk-norm is off and every layer is global unless --qk-norm / --window-size ask for the
 released architecture instead, which changes the function (a warning says so and reports by how much).
 
-It streams: one source tensor and one output shard are in memory at a time, so Pythia-12B converts on a
-24 GB machine. `--verify` (default: on up to 1.1B parameters, i.e. Pythia-1B and smaller) loads both models
-in fp32, runs a few sentences and fails when the logits differ by more than --tolerance (1e-4). With --dtype
-bf16/fp16 it checks the weights before the cast (where the conversion is exact): they are written uncast,
-verified, then cast in a second pass; the difference after the cast (rounding) is printed for information. The
-destination appears only once complete and verified (written beside it, then renamed). It carries the remote code
-and a model card (base_model: the source when it is a Hub id), so it loads with `trust_remote_code=True` where this
-package is not installed; `--push-to-hub REPO` then uploads it:
+It streams: one source tensor at a time is in memory (each is written to disk as it comes), so Pythia-12B
+converts on a machine with far less memory than its 24 GB of weights. `--verify` (default: on up to 1.1B
+parameters, i.e. Pythia-1B and smaller) loads both models in fp32, runs a few sentences and fails when the
+logits differ by more than --tolerance (1e-4). With --dtype bf16/fp16 it checks the weights before the cast
+(where the conversion is exact): they are written uncast, verified, then cast in a second pass; the difference
+after the cast (rounding) is printed for information. The destination appears only once complete and verified
+(written beside it, then renamed). It carries the remote code and a model card (base_model: the source when it is
+a Hub id), so it loads with `trust_remote_code=True` where this package is not installed; `--push-to-hub REPO`
+then uploads it:
 
     dcformer-convert-pythia EleutherAI/pythia-410m ./dcpythia-410m --push-to-hub me/dcpythia-410m
 """
@@ -299,16 +300,20 @@ def verification_inputs(src_dir: Path, config: DCFormerConfig) -> tuple[list[tor
 
 
 @torch.no_grad()
-def max_logit_difference(src_dir: Path, converted_dir: Path, config: DCFormerConfig) -> tuple[float, int, str]:
-    """Max |logit difference| in fp32 between the source and the converted model on the verification inputs.
-    The models are loaded one after the other, so the peak is one fp32 model (4 bytes a parameter)."""
-    from transformers import GPTNeoXForCausalLM
+def max_logit_difference(
+    src_dir: Path, converted_dir: Path, config: DCFormerConfig, source_class: type | None = None
+) -> tuple[float, int, str]:
+    """Max |logit difference| in fp32 between the source (a `source_class`, by default GPT-NeoX) and the converted
+    model on the verification inputs. The models are loaded one after the other, so the peak is one fp32 model
+    (4 bytes a parameter)."""
+    if source_class is None:
+        from transformers import GPTNeoXForCausalLM as source_class
 
     sequences, how = verification_inputs(src_dir, config)
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()
     try:
-        source = GPTNeoXForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32, attn_implementation="eager")
+        source = source_class.from_pretrained(str(src_dir), dtype=torch.float32, attn_implementation="eager")
         source.eval()
         reference = [source(ids[None], use_cache=False).logits[0] for ids in sequences]
         del source

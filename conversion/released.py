@@ -8,8 +8,9 @@ not installed) and a model card (base_model: the source when it is a Hub id).
 
 (`--license ID` puts the release's license, as its own model card states it, in the card's metadata.)
 
-It streams: one source shard and one output shard are in memory at a time, so a 14 GB checkpoint converts
-within a few GB. The destination appears only once complete (written beside it, then renamed).
+It streams: at most one source shard is in memory at a time (a memory-mapped `.bin`; safetensors are read one
+tensor at a time) and every tensor is written to disk as it comes, so a 14 GB checkpoint converts within a few
+GB. The destination appears only once complete (written beside it, then renamed).
 """
 
 import re

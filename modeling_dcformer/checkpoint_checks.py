@@ -25,6 +25,7 @@ PRESENCE_FIELDS = [
     (re.compile(r"\.self_attn\.(q_norm|k_norm)\."), "use_qk_norm"),
     (re.compile(r"\.self_attn\.dyn_w_proj\."), "use_dcmha"),
     (re.compile(r"\.mlp\.gate_proj\."), "use_gated_mlp"),
+    (re.compile(r"\.self_attn\.o_proj\.bias$"), "attention_output_bias (or attention_bias)"),
     (re.compile(r"\.self_attn\.\w+\.bias$"), "attention_bias"),
     (re.compile(r"\.mlp\.\w+\.bias$"), "mlp_bias"),
     (re.compile(r"norm\.bias$"), "norm_type"),
@@ -32,8 +33,8 @@ PRESENCE_FIELDS = [
 # Which config fields decide a tensor's shape.
 SHAPE_FIELDS = [
     (re.compile(r"\.self_attn\.dyn_w_proj\."), "query_wise, num_head_groups, dynamic_rank or dynamic_hidden_size"),
-    (re.compile(r"\.self_attn\.(q_norm|k_norm)\."), "hidden_size / num_attention_heads (head_dim)"),
-    (re.compile(r"\.self_attn\."), "hidden_size or num_attention_heads"),
+    (re.compile(r"\.self_attn\.(q_norm|k_norm)\."), "head_dim (or hidden_size / num_attention_heads)"),
+    (re.compile(r"\.self_attn\."), "hidden_size, num_attention_heads, num_key_value_heads or head_dim"),
     (re.compile(r"\.mlp\."), "intermediate_size or hidden_size"),
     (re.compile(r"embed_tokens\.|lm_head\."), "vocab_size or hidden_size"),
     (re.compile(r"norm\."), "hidden_size"),

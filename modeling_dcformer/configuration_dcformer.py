@@ -10,19 +10,24 @@ import re
 from huggingface_hub.dataclasses import strict
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 from .dcmha import RENAMED_IMPLEMENTATIONS, current_name, implementation_names
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DYNAMIC_INITS = ("authors", "normal")
+ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)  # transformers' rotary embeddings (`DCFormerRotaryEmbedding`)
 POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                  "max_position_embeddings", "num_head_groups", "dynamic_rank", "attention_chunk_size")
 
 
 def positive_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def raise_first(checks) -> None:
@@ -109,8 +114,19 @@ class DCFormerConfig(PreTrainedConfig):
     DCFormer++ (LLaMA style: `norm_type="rmsnorm"`, `use_parallel_residual=False`, `hidden_act="silu"`,
     `use_gated_mlp=True`, `attention_bias=mlp_bias=False`, `partial_rotary_factor=1.0`).
 
+    Attention shapes:
+        num_key_value_heads (`int`, *optional*): key/value heads (grouped-query attention); query head n uses
+            key/value head n // (num_attention_heads // num_key_value_heads). None: num_attention_heads.
+        head_dim (`int`, *optional*): dimensions per head; None: hidden_size // num_attention_heads. An explicit
+            value need not make head_dim * num_attention_heads equal hidden_size.
+        attention_bias (`bool`, True): bias on the q, k and v projections.
+        attention_output_bias (`bool`, *optional*): bias on o_proj; None: the same as attention_bias.
+        rope_parameters (`dict`, *optional*): transformers' rotary parameters: rope_type ("default", "linear",
+            "dynamic", "yarn", "llama3", ...) with that type's keys, rope_theta, partial_rotary_factor (rotary over
+            the first int(head_dim * partial_rotary_factor) dims of each head).
+
     DCMHA options (docs/implementations.md has the details):
-        use_dcmha (`bool`, True): compose heads; `False` is plain multi-head attention.
+        use_dcmha (`bool`, True): compose the query heads; `False` is plain multi-head attention.
         use_qk_norm (`bool`, False): RMSNorm (learned scale, eps `qk_norm_eps`) on q and k per head.
         window_size (`int`, *optional*): keys a local layer sees, the current one included; `None`: all global.
         window_type (`str`, *optional*): which layers are local ("LG", "LGLL", "LGL6"; see `parse_window_type`).
@@ -142,6 +158,8 @@ class DCFormerConfig(PreTrainedConfig):
     hidden_size: int = 768
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
     intermediate_size: int = 3072
     hidden_act: str = "gelu"
     use_gated_mlp: bool = False
@@ -149,6 +167,7 @@ class DCFormerConfig(PreTrainedConfig):
     layer_norm_eps: float = 1e-5
     use_parallel_residual: bool = True
     attention_bias: bool = True
+    attention_output_bias: bool | None = None
     mlp_bias: bool = True
     max_position_embeddings: int = 2048
     rope_parameters: RopeParameters | dict | None = None
@@ -184,13 +203,11 @@ class DCFormerConfig(PreTrainedConfig):
             kwargs.setdefault("partial_rotary_factor", kwargs.pop("rotary_pct"))
         if self.rope_parameters is None and "partial_rotary_factor" not in kwargs:
             kwargs["partial_rotary_factor"] = 0.25
-        head_dim = kwargs.pop("head_dim", None)  # HF-style configs often spell it out: derived here, so only checked
         self.validate_sizes()
-        if head_dim is not None and head_dim != self.hidden_size // self.num_attention_heads:
-            heads = self.num_attention_heads
-            raise ValueError(f"head_dim={head_dim!r} does not match hidden_size / num_attention_heads = "
-                             f"{self.hidden_size} / {heads} = {self.hidden_size // heads}; DCFormer derives head_dim "
-                             "from those two: leave it out or make it agree")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
         if self.dynamic_hidden_size is None:
             self.dynamic_hidden_size = 4 * (self.num_attention_heads // self.num_head_groups)
         if self.layer_types is None:  # local where window_type says, if there is a window (validate_sizes checked)
@@ -206,12 +223,19 @@ class DCFormerConfig(PreTrainedConfig):
         known = implementation_names()  # the DCMHA registry's names, built-in and registered
         window, heads, groups = self.window_size, self.num_attention_heads, self.num_head_groups
         raise_first([
-            *((lambda name=name: isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+            *((lambda name=name: is_positive_int(getattr(self, name)),
                f"{name} must be a positive integer, got {getattr(self, name)!r}") for name in POSITIVE_INTS),
             (lambda: self.dynamic_hidden_size is None or self.dynamic_hidden_size >= 1,
              f"dynamic_hidden_size must be a positive integer, got {self.dynamic_hidden_size!r}"),
-            (lambda: self.hidden_size % heads == 0,
-             f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({heads})"),
+            *((lambda name=name: getattr(self, name) is None or is_positive_int(getattr(self, name)),
+               f"{name} must be a positive integer or None, got {getattr(self, name)!r}")
+              for name in ("num_key_value_heads", "head_dim")),
+            (lambda: self.head_dim is not None or self.hidden_size % heads == 0,
+             f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({heads}), or head_dim must "
+             "be given"),
+            (lambda: self.num_key_value_heads is None or heads % self.num_key_value_heads == 0,
+             f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads ({heads}): each key/"
+             "value head serves the same number of query heads"),
             (lambda: heads % groups == 0, f"num_head_groups ({groups}) must divide num_attention_heads ({heads})"),
             (lambda: self.norm_type in NORM_TYPES, f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}"),
             *((lambda name=name: positive_number(getattr(self, name)),
@@ -241,6 +265,8 @@ class DCFormerConfig(PreTrainedConfig):
             (lambda: not bad_types, f"layer_types entries must be one of {LAYER_TYPES}, got {(bad_types or [0])[0]!r}"),
             (lambda: "sliding_attention" not in self.layer_types or self.window_size is not None,
              "layer_types has sliding_attention layers but window_size is None"),
+            (lambda: self.rope_parameters.get("rope_type") in ROPE_TYPES,
+             f"rope_parameters has rope_type={self.rope_parameters.get('rope_type')!r}; use one of {ROPE_TYPES}"),
             (lambda: positive_number(self.rope_parameters.get("rope_theta")),
              f"rope_theta must be a positive finite number, got {self.rope_parameters.get('rope_theta')!r}"),
             (lambda: 0.0 <= factor <= 1.0, f"partial_rotary_factor must be in [0, 1], got {factor!r}"),
@@ -277,8 +303,14 @@ class DCFormerConfig(PreTrainedConfig):
         return config_dict, unused
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def key_value_groups(self) -> int:
+        """Query heads per key/value head (1: plain multi-head attention)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def output_bias(self) -> bool:
+        """Whether o_proj has a bias: `attention_output_bias`, or where it is None `attention_bias`."""
+        return self.attention_bias if self.attention_output_bias is None else self.attention_output_bias
 
     @property
     def rope_theta(self) -> float:

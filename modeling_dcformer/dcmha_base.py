@@ -20,7 +20,8 @@ LOCAL_CHUNK_MIN = 64
 
 class DCMHAChunk(NamedTuple):
     """One chunk of queries against the keys it may see (`dcmha_eager.attend_chunk`); a NamedTuple of plain tensors.
-    query [B, N, c, Dh]; key, value [B, N, s, Dh] (value None where only the probabilities are wanted);
+    query [B, N, c, Dh]; key, value [B, Nkv, s, Dh] (value None where only the probabilities are wanted; Nkv divides
+    N, query head n uses key/value head n // (N / Nkv));
     query_terms [B, G, 2, 2I+1, M, c], key_terms [B, G, 2, 2I+1, M, s] (slots pre, post; time last) or None;
     query_pos [c], key_pos [s]: absolute positions, only where the chunk is masked (else None); key_padding_mask
     [B, s] bool or None; masked: whether some query of the chunk cannot see some key (False for a decode step without
@@ -44,7 +45,10 @@ class DCMHAChunk(NamedTuple):
 class DCMHAInputs:
     """One causal (optionally windowed) DCMHA call.
 
-    query [B, N, T, Dh]; key, value [B, N, S, Dh].
+    query [B, N, T, Dh]; key, value [B, Nkv, S, Dh]: Nkv key/value heads (Nkv divides N; Nkv == N is plain
+        multi-head attention), query head n with key/value head n // (N / Nkv) (transformers' `repeat_kv`). A backend
+        reads Nkv as `key.shape[1]`, and need not copy K/V per query head: with query contiguous, its [B, N, T, Dh]
+        is [B, Nkv, N/Nkv * T, Dh] (`dcmha_eager.grouped_matmul`).
     query_terms [B, T, G, 2, 2I+1, M]: the queries' factors of the slots (pre, post), rows w1, w2, dd
         (`DynamicWeightProjection`'s packing), or None: plain multi-head attention (use_dcmha=False).
     key_terms [B, S, G, 2, 2I+1, M] or None (query-wise or plain).
@@ -73,7 +77,7 @@ class DCMHAInputs:
 
     @property
     def shapes(self) -> tuple[int, int, int, int, int]:
-        """(B, N, T, S, Dh)."""
+        """(B, N, T, S, Dh); the key/value heads are `key.shape[1]`."""
         B, N, T, Dh = self.query.shape
         return B, N, T, self.key.shape[2], Dh
 
@@ -203,6 +207,16 @@ def join_chunks(outputs: list[torch.Tensor]) -> torch.Tensor:
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
+def kv_heads_problem(inputs: DCMHAInputs) -> str | None:
+    """Why the call's key/value heads do not fit its query heads (None: they do: Nkv divides N, keys and values
+    alike)."""
+    N, Nkv = inputs.query.shape[1], inputs.key.shape[1]
+    if Nkv < 1 or N % Nkv or inputs.value.shape[:3] != inputs.key.shape[:3]:
+        return (f"its keys {tuple(inputs.key.shape)} and values {tuple(inputs.value.shape)} need a number of heads "
+                f"that divides the queries' {N} (grouped-query attention), the same for both")
+    return None
+
+
 class DCMHABackend:
     """One implementation of DCMHA, as the registry (`dcmha.DCMHAInterface`) holds it.
 
@@ -225,7 +239,7 @@ class DCMHABackend:
 
     def why_not(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
         """Why it cannot compute the call `inputs` (None: it can)."""
-        return self.failure
+        return self.failure or kv_heads_problem(inputs)
 
     def why_not_auto(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
         """Why "auto" should not choose it for the call `inputs` (None: it may)."""

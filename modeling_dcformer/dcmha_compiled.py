@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.fx.experimental._config
 
-from .dcmha_base import DCMHAInputs, compile_supported, packed, visible_keys
+from .dcmha_base import DCMHAInputs, compile_supported, kv_heads_problem, packed, visible_keys
 from .dcmha_eager import EagerBackend, stage_apply, stage_hidden
 
 # "auto" compiles an attention call whose chunks compute at least this many scores in all (batch x heads x queries x
@@ -126,7 +126,7 @@ class CompiledBackend(EagerBackend):
             return self.failure
         if not compile_supported(inputs.query.device):
             return f"torch.compile cannot generate code for {inputs.query.device.type} here"
-        return None
+        return kv_heads_problem(inputs)
 
     def why_not_auto(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
         if inputs.num_scores < self.auto_min_scores:

@@ -124,15 +124,48 @@ def chunk_visible_keys(chunk: DCMHAChunk) -> torch.Tensor:
     return visible_keys(chunk.query_pos, chunk.key_pos, chunk.window_size, chunk.key_padding_mask)
 
 
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, N, c, x] @ b [B, Nkv, x, y] -> [B, N, c, y], query head n against key/value head n // (N / Nkv): one
+    product per key/value head over its N / Nkv query heads' rows (a's heads viewed as [B, Nkv, N/Nkv * c, x]; a
+    copy of a only where its strides do not allow that view), never b copied per query head; b's gradient is then
+    the sum over those heads, by the same product. Nkv == N: plain `matmul`."""
+    B, N, c, x = a.shape
+    groups = b.shape[1]
+    if groups == N:
+        return torch.matmul(a, b)
+    out = torch.matmul(a.reshape(B, groups, (N // groups) * c, x), b)
+    return out.view(B, N, c, out.shape[-1])
+
+
+def raw_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q kᵀ [B, N, c, s] in q's dtype (k [B, Nkv, s, Dh]: `grouped_matmul`)."""
+    return grouped_matmul(q, k.transpose(-1, -2))
+
+
 def scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """q kᵀ * scale [B, N, c, s] in fp32: in fp32 one product with the scale as its alpha; in half precision the
-    product in that dtype, then scaled in fp32 (as the kernels do)."""
+    """q kᵀ * scale [B, N, c, s] in fp32 (k [B, Nkv, s, Dh]: `grouped_matmul`): in fp32 one product with the scale
+    as its alpha; in half precision the product in that dtype, then scaled in fp32 (as the kernels do)."""
     if q.dtype != torch.float32:
-        return torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        return raw_scores(q, k).float() * scale
     B, N, c, Dh = q.shape
-    s = k.shape[2]
-    q3, k3 = q.reshape(B * N, c, Dh), k.reshape(B * N, s, Dh)
+    Nkv, s = k.shape[1], k.shape[2]
+    q3, k3 = q.reshape(B * Nkv, (N // Nkv) * c, Dh), k.reshape(B * Nkv, s, Dh)
     return torch.baddbmm(q.new_empty(()), q3, k3.transpose(1, 2), beta=0, alpha=scale).view(B, N, c, s)
+
+
+def attend_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """probs [B, N, c, s] @ value [B, Nkv, s, Dh] (`grouped_matmul`), probs cast to value's dtype: the output
+    [B, c, N, Dh] (a view)."""
+    return grouped_matmul(probs if value.dtype == probs.dtype else probs.to(value.dtype), value).transpose(1, 2)
+
+
+def plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                    is_causal: bool = False) -> torch.Tensor:
+    """SDPA's fused kernel, key/value heads shared by groups of query heads where Nkv < N (`enable_gqa`): the
+    output [B, T, N, Dh] (a view)."""
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                          **gqa).transpose(1, 2)
 
 
 def chunk_probabilities(chunk: DCMHAChunk, compose_fn=compose_step) -> torch.Tensor:
@@ -156,7 +189,7 @@ def chunk_probabilities(chunk: DCMHAChunk, compose_fn=compose_step) -> torch.Ten
     M = N // G
     query_terms, key_terms = chunk.query_terms, chunk.key_terms
     pre_k, post_k = (None, None) if key_terms is None else (key_terms[:, :, 0], key_terms[:, :, 1])
-    raw = torch.matmul(q, k.transpose(-1, -2)).float().view(B, G, M, c, s)
+    raw = raw_scores(q, k).float().view(B, G, M, c, s)
     scores = compose_fn(raw, query_terms[:, :, 0], pre_k, mask, scale, pre_fill, rank)
     probs = torch.softmax(scores, dim=-1).view(B, G, M, c, s)
     return compose_fn(probs, query_terms[:, :, 1], post_k, mask, 1.0, post_fill, rank)
@@ -185,7 +218,7 @@ def few_query_probabilities(chunk: DCMHAChunk, scale: float) -> torch.Tensor:
     if q.dtype == torch.float32:
         scores = compose(scaled_scores(q, k, scale).view(shape), None, None, rank, pairs=pre).view(B, N, c, s)
     else:  # the product in half precision, composed in fp32 (fp32 factors promote it), then scaled
-        raw = torch.matmul(q, k.transpose(-1, -2)).view(shape)
+        raw = raw_scores(q, k).view(shape)
         raw = raw if sides.dtype == torch.float32 else raw.float()
         scores = compose(raw, None, None, rank, pairs=pre).view(B, N, c, s) * scale
     allowed = chunk_visible_keys(chunk) if chunk.masked else None
@@ -203,10 +236,8 @@ def attend_chunk(chunk: DCMHAChunk, compose_fn=compose_step) -> torch.Tensor:
     `EagerBackend.attend_with_probabilities`)."""
     if chunk.query_terms is None:  # plain attention: SDPA's fused kernel (rows with no visible key: 0)
         allowed = chunk_visible_keys(chunk) if chunk.masked else None
-        return F.scaled_dot_product_attention(chunk.query, chunk.key, chunk.value, attn_mask=allowed).transpose(1, 2)
-    probs = chunk_probabilities(chunk, compose_fn)
-    value = chunk.value
-    return torch.matmul(probs if value.dtype == probs.dtype else probs.to(value.dtype), value).transpose(1, 2)
+        return plain_attention(chunk.query, chunk.key, chunk.value, attn_mask=allowed)
+    return attend_values(chunk_probabilities(chunk, compose_fn), chunk.value)
 
 
 class EagerBackend(DCMHABackend):
@@ -222,8 +253,7 @@ class EagerBackend(DCMHABackend):
         B, N, T, S, Dh = inputs.shapes
         if not inputs.composed and not output_attentions and inputs.plain_causal:
             # plain causal attention over the whole call: one SDPA call, causal by its own flag
-            out = F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value, is_causal=T > 1)
-            return out.transpose(1, 2), None
+            return plain_attention(inputs.query, inputs.key, inputs.value, is_causal=T > 1), None
         spans = inputs.chunk_spans()
         if not spans:
             probs = inputs.query.new_zeros(B, N, 0, S, dtype=torch.float32) if output_attentions else None
@@ -247,8 +277,7 @@ class EagerBackend(DCMHABackend):
             rows.append(F.pad(probs, (s0, S - s1)))
         probs = rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
         v = inputs.value
-        outputs = [torch.matmul(probs[:, :, t0:t1, s0:s1].to(v.dtype), v[:, :, s0:s1]).transpose(1, 2)
-                   for t0, t1, s0, s1 in spans]
+        outputs = [attend_values(probs[:, :, t0:t1, s0:s1], v[:, :, s0:s1]) for t0, t1, s0, s1 in spans]
         return join_chunks(outputs), probs
 
 

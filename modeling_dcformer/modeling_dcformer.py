@@ -129,12 +129,21 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  sin_signed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """qk: the queries and keys [2, B, N, T, Dh] (a view); cos, sin: [B, T, rot] (fp32), and `signed_sin(sin)` where
-    the caller has it. Rotates the first `rot` dims of both at once, in fp32 (half precision is promoted by the
-    products themselves); returns query and key [B, N, T, Dh] in qk's dtype, each contiguous, the two halves of one
-    new tensor (a cache copies the keys it keeps: `DCFormerCacheLayer._append`)."""
+    the caller has it. Rotates the first `rot` dims of both at once (`rotate`); returns query and key [B, N, T, Dh]
+    in qk's dtype, each contiguous, the two halves of one new tensor (a cache copies the keys it keeps:
+    `DCFormerCacheLayer._append`)."""
+    query_key = rotate(qk, cos, sin, sin_signed)
+    return query_key[0], query_key[1]
+
+
+def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           sin_signed: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `rot` dims of x [..., B, H, T, Dh] (a view) rotated by cos, sin [B, T, rot] (fp32), in fp32 (half
+    precision is promoted by the products themselves); a new tensor in x's dtype, contiguous (x itself where `rot`
+    is 0)."""
     rot = cos.shape[-1]
     if rot == 0:
-        return qk[0], qk[1]
+        return qk
     cos, sin = cos.unsqueeze(1), (signed_sin(sin) if sin_signed is None else sin_signed).unsqueeze(1)
     x_rot, x_pass = qk[..., :rot], qk[..., rot:]
     # x cos + rotate_half(x) sin, rotate_half(x) sin = (x2, x1) * signed sin: the halves swapped by a roll
@@ -145,7 +154,7 @@ def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         query_key = torch.cat((x_rot, x_pass), dim=-1)
     else:  # the concatenation casts to qk's dtype
         query_key = torch.cat((x_rot, x_pass), dim=-1, out=qk.new_empty(qk.shape))
-    return query_key[0], query_key[1]
+    return query_key
 
 
 class DCFormerMLP(nn.Module):
@@ -241,12 +250,14 @@ class DCFormerAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.num_key_value_heads = config.num_key_value_heads
         self.window_size = config.window_size if config.layer_types[layer_idx] == "sliding_attention" else None
         # the structure, read once (a config attribute costs microseconds in a decode step); the rest at each call
         self.use_qk_norm, self.use_dcmha, self.query_wise = config.use_qk_norm, config.use_dcmha, config.query_wise
         self.rank, self.num_groups = config.dynamic_rank, config.num_head_groups
-        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        N, Nkv, Dh = self.num_heads, self.num_key_value_heads, self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, (N + 2 * Nkv) * Dh, bias=config.attention_bias)
+        self.o_proj = nn.Linear(N * Dh, config.hidden_size, bias=config.output_bias)
         if config.use_qk_norm:
             self.q_norm = DCFormerRMSNorm(self.head_dim, eps=config.qk_norm_eps)
             self.k_norm = DCFormerRMSNorm(self.head_dim, eps=config.qk_norm_eps)
@@ -256,13 +267,22 @@ class DCFormerAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, ...],
                 query_start: int = 0, padding_mask: torch.Tensor | None = None, cache: DCFormerCache | None = None,
                 output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B, T, D = hidden_states.shape
-        qkv = self.qkv_proj(hidden_states).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        qk, value = qkv.split((2, 1))  # [2, B, N, T, Dh], [1, B, N, T, Dh] (split: one gradient buffer, not two)
-        if self.use_qk_norm:
-            qk = torch.stack((self.q_norm(qk[0]), self.k_norm(qk[1])))
-        # the values copied out of the q/k/v projection: a view would keep all three alive for the backward pass
-        query, key, value = *apply_rotary(qk, *position_embeddings), value[0].contiguous()
+        B, T, _ = hidden_states.shape
+        N, Nkv, Dh = self.num_heads, self.num_key_value_heads, self.head_dim
+        if N == Nkv:
+            qkv = self.qkv_proj(hidden_states).view(B, T, 3, N, Dh).permute(2, 0, 3, 1, 4)
+            qk, value = qkv.split((2, 1))  # [2, B, N, T, Dh], [1, B, N, T, Dh] (split: one gradient buffer, not two)
+            if self.use_qk_norm:
+                qk = torch.stack((self.q_norm(qk[0]), self.k_norm(qk[1])))
+            # the values copied out of the q/k/v projection: a view would keep all three alive for the backward pass
+            query, key, value = *apply_rotary(qk, *position_embeddings), value[0].contiguous()
+        else:  # grouped-query attention: Nkv key/value heads, each rotated and normed once, never copied per query head
+            query, key, value = (x.view(B, T, -1, Dh).transpose(1, 2)
+                                 for x in self.qkv_proj(hidden_states).split((N * Dh, Nkv * Dh, Nkv * Dh), dim=-1))
+            if self.use_qk_norm:
+                query, key = self.q_norm(query), self.k_norm(key)
+            query, key = rotate(query, *position_embeddings), rotate(key, *position_embeddings)
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()  # (no-ops where rotated)
 
         query_terms = key_terms = None
         implementation = self.config.dcmha_implementation
@@ -282,7 +302,7 @@ class DCFormerAttention(nn.Module):
                              chunk_size=self.config.attention_chunk_size)
         recompute = self.training and torch.is_grad_enabled() and self.config.attention_recompute
         out, probs = dcmha_attention(inputs, implementation, output_attentions=output_attentions, recompute=recompute)
-        return self.o_proj(out.reshape(B, T, D)), probs
+        return self.o_proj(out.reshape(B, T, N * Dh)), probs
 
 
 class DCFormerDecoderLayer(GradientCheckpointingLayer):

@@ -10,6 +10,8 @@ import types
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from huggingface_hub import HfApi
 from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -343,3 +345,22 @@ def registered(name: str, backend):
             DCMHAInterface.unregister(name)
         else:
             DCMHAInterface.register(name, previous)
+
+
+class OutputShapes(TorchDispatchMode):
+    """Records the shape of every tensor every op returns (views and `out=` results included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def kv_copies(shapes: list[tuple], B: int, N: int, S: int, Dh: int) -> list[tuple]:
+    """The shapes of `shapes` that hold keys or values once per query head: [B, N, S, Dh] or [B * N, S, Dh], or
+    those transposed (S is a size no other tensor of the call has)."""
+    return [s for s in shapes if s in {(B, N, S, Dh), (B * N, S, Dh), (B, N, Dh, S), (B * N, Dh, S)}]

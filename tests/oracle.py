@@ -137,10 +137,20 @@ def oracle_compose(A, qw1, qw2, qdd, kw1=None, kw2=None, kdd=None):
     return torch.stack(out_heads, dim=1)
 
 
+def expand_kv(x, num_heads):
+    """Grouped-query attention's keys or values [B, Nkv, S, Dh] as one copy per query head [B, N, S, Dh]: query head
+    n reads key/value head n // (N / Nkv)."""
+    Nkv = x.shape[1]
+    assert num_heads % Nkv == 0, (num_heads, Nkv)
+    return torch.stack([x[:, n // (num_heads // Nkv)] for n in range(num_heads)], dim=1)
+
+
 def oracle_attention(q, k, v, qt, kt, pad, query_start, key_start, window, rank):
-    """DCMHA of one layer from the spec (float64 in, float64 out): q [B, N, T, Dh], k/v [B, N, S, Dh], qt
-    [B, T, G, 2, 2I+1, M], kt [B, S, G, 2, 2I+1, M] or None, pad [B, S] bool or None. Returns [B, T, N, Dh]."""
+    """DCMHA of one layer from the spec (float64 in, float64 out): q [B, N, T, Dh], k/v [B, Nkv, S, Dh] (query head
+    n with key/value head n // (N / Nkv)), qt [B, T, G, 2, 2I+1, M], kt [B, S, G, 2, 2I+1, M] or None, pad [B, S]
+    bool or None. Returns [B, T, N, Dh]."""
     B, N, T, Dh = q.shape
+    k, v = expand_kv(k, N), expand_kv(v, N)
     S = k.shape[2]
     q_pos, k_pos = torch.arange(query_start, query_start + T), torch.arange(key_start, key_start + S)
     allowed = (k_pos[None, :] <= q_pos[:, None]).expand(B, T, S)
@@ -207,16 +217,17 @@ def oracle_dcmha_layer(x, params, config, window=None, positions=None, return_pr
     """
     B, T, D = x.shape
     N = config.num_attention_heads
-    Dh = D // N
+    Nkv = getattr(config, "num_key_value_heads", None) or N
+    Dh = getattr(config, "head_dim", None) or D // N
     if positions is None:
         positions = torch.arange(T)
 
-    # 1. fused projection, all queries then all keys then all values
-    qkv = linear(x, params["qkv_proj.weight"], params.get("qkv_proj.bias"))  # [B, T, 3D]
-    q, k, v = qkv[..., :D], qkv[..., D : 2 * D], qkv[..., 2 * D :]
+    # 1. fused projection, all queries (N heads) then all keys then all values (Nkv heads each)
+    qkv = linear(x, params["qkv_proj.weight"], params.get("qkv_proj.bias"))  # [B, T, (N + 2 Nkv) Dh]
+    q, k, v = qkv[..., : N * Dh], qkv[..., N * Dh : (N + Nkv) * Dh], qkv[..., (N + Nkv) * Dh :]
     q = q.reshape(B, T, N, Dh).permute(0, 2, 1, 3)  # [B, N, T, Dh]
-    k = k.reshape(B, T, N, Dh).permute(0, 2, 1, 3)
-    v = v.reshape(B, T, N, Dh).permute(0, 2, 1, 3)
+    k = expand_kv(k.reshape(B, T, Nkv, Dh).permute(0, 2, 1, 3), N)  # [B, N, T, Dh], a copy per query head
+    v = expand_kv(v.reshape(B, T, Nkv, Dh).permute(0, 2, 1, 3), N)
 
     # 2. qk-norm per head over Dh
     if config.use_qk_norm:
@@ -254,7 +265,7 @@ def oracle_dcmha_layer(x, params, config, window=None, positions=None, return_pr
     if config.use_dcmha:
         probs = oracle_compose(probs, *post_q, *post_k)
     o = torch.einsum("bnts,bnsd->bntd", probs, v)  # [B, N, T, Dh]
-    o = o.permute(0, 2, 1, 3).reshape(B, T, D)  # heads concatenated
+    o = o.permute(0, 2, 1, 3).reshape(B, T, N * Dh)  # heads concatenated
     out = linear(o, params["o_proj.weight"], params.get("o_proj.bias"))
     return (out, probs) if return_probs else out
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import SafetensorError
 
 import modeling_dcformer  # noqa: F401  (registers the Auto classes)
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
@@ -266,8 +265,8 @@ def test_mount_point_destination_is_refused_at_once(neox, tmp_path, capsys, monk
 # A failed write, a truncated source, a config that is not JSON: one line naming the file
 # ----------------------------------------------------------------------------------------------------------------
 def disk_full(*args, **kwargs):
-    """safetensors' own error for a full disk (what `save_file` raises on ENOSPC)."""
-    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    """A full disk while a shard is written (`common.append_file`: its data after its header)."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
@@ -275,7 +274,7 @@ def disk_full(*args, **kwargs):
 def test_disk_full_is_one_line_and_leaves_nothing(tool, where, neox, released, tmp_path, capsys, monkeypatch):
     dst = tmp_path / "out"
     if where == "shard":
-        monkeypatch.setattr(common, "save_file", disk_full)
+        monkeypatch.setattr(common, "append_file", disk_full)
     else:  # after the weights: the config write fails as Python's own OSError (no file name in it)
         def no_space(self, *args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -293,7 +292,7 @@ def test_disk_full_under_overwrite_keeps_the_old_output(neox, tmp_path, capsys, 
     dst = tmp_path / "out"
     assert run_main("pythia", argv("pythia", neox, dst), capsys)[0] == 0
     before = tree(dst)
-    monkeypatch.setattr(common, "save_file", disk_full)
+    monkeypatch.setattr(common, "append_file", disk_full)
     code, err = run_main("pythia", argv("pythia", neox, dst, "--overwrite"), capsys)
     assert code == 2
     assert_one_line(err, "No space left on device", str(dst))

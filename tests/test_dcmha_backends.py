@@ -83,16 +83,23 @@ OPTIONS = {
     "chunk4": dict(query_wise=False, num_head_groups=1, dynamic_rank=2, attention_chunk_size=4),
     "querywise-groups2": dict(query_wise=True, num_head_groups=2, dynamic_rank=1, attention_chunk_size=512),
     "rank3-groups2-chunk5": dict(query_wise=False, num_head_groups=2, dynamic_rank=3, attention_chunk_size=5),
+    # grouped-query attention: 2 key/value heads for 4 query heads, head_dim 12 (4 x 12 != hidden 32), no o bias
+    "gqa2-headdim12": dict(num_key_value_heads=2, head_dim=12, attention_output_bias=False, query_wise=False,
+                           num_head_groups=2, dynamic_rank=2, attention_chunk_size=5),
 }
 # The gradient, probability, decoding and half-precision checks share one configuration (local and global layers,
 # two head groups, rank 2, chunks of 5): "compiled" traces its stages once per static configuration (groups, rank,
 # window, scale), and the tests after the first reuse its graphs.
 SHARED = dict(use_qk_norm=True, window_size=4, num_head_groups=2, attention_chunk_size=5)
+# the same with grouped-query attention: one key/value head for two query heads, which each backend's products and
+# the cache take without a copy per query head
+SHARED_GQA = dict(SHARED, num_key_value_heads=2, head_dim=12)
+SHARED_SETS = {"mha": SHARED, "gqa": SHARED_GQA}
 
 
 @pytest.mark.parametrize(
     "backend, options",
-    [(b, o) for b in BUILT_IN for o in OPTIONS if b != "compiled" or o == "querywise-groups2"]
+    [(b, o) for b in BUILT_IN for o in OPTIONS if b != "compiled" or o in ("querywise-groups2", "gqa2-headdim12")]
     + [pytest.param("compiled", o, marks=EXPENSIVE) for o in ("chunk4", "rank3-groups2-chunk5")],
 )
 def test_logits_match_eager_and_oracle(backend, options):
@@ -109,12 +116,13 @@ def test_logits_match_eager_and_oracle(backend, options):
     assert_rows_match_oracle(model, logits, input_ids, mask)
 
 
+@pytest.mark.parametrize("shared", list(SHARED_SETS))
 @pytest.mark.parametrize("backend", TRITON_EXPENSIVE)
-def test_gradients_match_eager(backend):
+def test_gradients_match_eager(backend, shared):
     """A training step (local and global layers, padding on both sides, chunks recomputed in the backward pass):
     logits and every parameter's gradient against "eager"; a backend without gradients says so."""
     backend = usable(backend)
-    config = make_config(dcmha_implementation="eager", **SHARED)
+    config = make_config(dcmha_implementation="eager", **SHARED_SETS[shared])
     model = build_model(config).train()
     input_ids, mask = padded_batch()
     eager_logits, eager_grads = loss_and_grads(model, input_ids, mask)
@@ -159,10 +167,11 @@ def test_probabilities_match_eager(backend):
         assert_close(a, b)
 
 
+@pytest.mark.parametrize("shared", list(SHARED_SETS))
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
-def test_decoding_matches_full_forward(backend):
+def test_decoding_matches_full_forward(backend, shared):
     backend = usable(backend)
-    config = make_config(dcmha_implementation=backend, **SHARED)
+    config = make_config(dcmha_implementation=backend, **SHARED_SETS[shared])
     assert_decoding_matches_full_forward(build_model(config))
 
 
@@ -217,8 +226,9 @@ class StandIn(DCMHABackend):
 def gpu_call(num_scores: int):
     """What the built-in backends' rules read of a call (its size, device, rank), for a call on a CUDA GPU this
     machine may not have."""
-    query = SimpleNamespace(device=torch.device("cuda", 0), is_cpu=False)
-    return SimpleNamespace(num_scores=num_scores, query=query, composed=True, rank=2)
+    query = SimpleNamespace(device=torch.device("cuda", 0), is_cpu=False, shape=(1, 4, 5, 8))
+    key = SimpleNamespace(shape=(1, 2, 5, 8))  # grouped-query attention: two key/value heads
+    return SimpleNamespace(num_scores=num_scores, query=query, key=key, value=key, composed=True, rank=2)
 
 
 def test_auto_is_the_highest_ranked_backend_that_takes_the_call():

@@ -10,6 +10,10 @@ oracle, decoding, half precision, probabilities) are in test_dcmha_backends.py.
   layouts refused;
 - the backward operator (`compose_softmax_compose_backward_`) on one chunk against autograd through the same float64
   Compose (the products' and every factor's gradient, the same cases), half precision and threads in training;
+- grouped-query attention (fewer key/value heads than query heads): the output and every gradient through the
+  autograd Function, the chunked inference path and the decode operator against the oracle and against the same
+  call with the keys and values copied per query head by hand; no path makes such a copy itself (every op's outputs
+  recorded); a number of key/value heads that does not divide the query heads is a clear reason;
 - where it applies: "auto" uses it for inference and training on CPU; "cpu" elsewhere is a clear error;
 - the operator under torch.compile (its fake implementation) and its own argument checks;
 - building: verified cached builds (a corrupt one is rebuilt), what a machine without a compiler gets.
@@ -24,11 +28,20 @@ import sys
 import pytest
 import torch
 
-from helpers import VOCAB, assert_close, assert_close_to_scale, build_model, make_config, registered
+from helpers import (
+    OutputShapes,
+    VOCAB,
+    assert_close,
+    assert_close_to_scale,
+    build_model,
+    kv_copies,
+    make_config,
+    registered,
+)
 from modeling_dcformer import dcmha
 from modeling_dcformer.kernels import build, dcmha_cpu
 from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHAInputs
-from oracle import oracle_attention, oracle_compose, oracle_dynamic_weights
+from oracle import expand_kv, oracle_attention, oracle_compose, oracle_dynamic_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread_each_test")
 
@@ -570,14 +583,15 @@ DECODE_CASES = {
 }
 
 
-def decode_case(case: str, seed: int) -> DCMHAInputs:
+def decode_case(case: str, seed: int, kv_heads: int | None = None) -> DCMHAInputs:
     """The inputs of one call as the model makes them at a decode step: the queries' factors a strided slice of
-    the projection's packed slots, the keys, values and keys' factors views into longer (cache) tensors."""
+    the projection's packed slots, the keys, values and keys' factors views into longer (cache) tensors; the keys
+    and values with `kv_heads` heads (None: one a query head)."""
     B, G, M, I, T, S, key_wise, window, padding, Dh = DECODE_CASES[case]
     N, W = G * M, 2 * I + 1
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, N, T, Dh, generator=gen)
-    k, v = (torch.randn(B, N, S + 4, Dh, generator=gen)[:, :, 4:] for _ in range(2))  # strided views
+    k, v = (torch.randn(B, kv_heads or N, S + 4, Dh, generator=gen)[:, :, 4:] for _ in range(2))  # strided views
     terms = torch.randn(B, T, G, 4 if key_wise else 2, W, M, generator=gen) * 0.5
     qt = terms[:, :, :, 0::2] if key_wise else terms
     kt = torch.randn(B, S + 2, G, 4, W, M, generator=gen)[:, 2:, :, 1::2] * 0.5 if key_wise else None
@@ -597,15 +611,24 @@ def decode_oracle(inputs: DCMHAInputs, composed: bool = True) -> torch.Tensor:
                             inputs.window_size, inputs.rank)
 
 
+@pytest.mark.parametrize("kv_heads", [None, 2, 1], ids=["mha", "kv2", "kv1"])
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_operator_matches_oracle(case):
-    inputs = decode_case(case, seed=len(case))
+def test_decode_operator_matches_oracle(case, kv_heads):
+    """Every case with one key/value head a query head, and grouped (2 key/value heads, 1): the operator reads
+    query head n's keys and values at head n // (N / Nkv) of the cache's tensors, the oracle's numbers, and bit for
+    bit the numbers of the same call with the keys and values copied per query head."""
+    inputs = decode_case(case, seed=len(case), kv_heads=kv_heads)
     assert dcmha_cpu.is_decode_call(inputs)
     with torch.no_grad():
         out = dcmha_cpu.decode_attention(inputs)  # [B, T, N, Dh]
     ref = decode_oracle(inputs)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert (decode_oracle(inputs, composed=False) - ref).abs().max() > 1e-2  # the test can fail
+    if kv_heads is not None:
+        N = inputs.query.shape[1]
+        expanded = with_kv(inputs, expand_kv(inputs.key, N), expand_kv(inputs.value, N))
+        with torch.no_grad():
+            assert torch.equal(dcmha_cpu.decode_attention(expanded), out)
 
 
 def test_decode_operator_is_taken_only_where_it_applies():
@@ -757,3 +780,131 @@ def test_greedy_decoding_with_the_inference_operators_matches_eager(monkeypatch)
     assert torch.equal(outs["auto"].sequences, outs["eager"].sequences)
     for auto, eager in zip(outs["auto"].scores, outs["eager"].scores):
         assert_close(auto, eager, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grouped-query attention: keys and values with Nkv heads, query head n reading key/value head n // (N / Nkv)
+# ----------------------------------------------------------------------------------------------------------------
+def with_kv(inputs: DCMHAInputs, key: torch.Tensor, value: torch.Tensor) -> DCMHAInputs:
+    """`inputs` with other keys and values (the rest of the call as it is)."""
+    return DCMHAInputs(inputs.query, key, value, inputs.query_terms, inputs.key_terms, inputs.query_start,
+                       inputs.key_start, inputs.key_padding_mask, inputs.window_size, inputs.rank, inputs.num_groups,
+                       inputs.chunk_size)  # fmt: skip
+
+
+GQA_CASES = {
+    # name: (B, G, I, Dh, T, S, query_start, key_wise, window, padding, chunk_size)  N = 4 query heads, keys from 0
+    "chunks": (2, 2, 2, 8, 70, 70, 0, True, None, False, 32),  # three chunks, the last shorter
+    "window-padding": (2, 1, 2, 8, 40, 40, 0, True, 9, True, 16),
+    "querywise-cached": (2, 2, 1, 6, 5, 13, 8, False, None, True, 256),  # a few queries: the decode operator
+}
+
+
+def gqa_case(case: str, kv_heads: int) -> tuple[list[torch.Tensor], dict]:
+    """The tensors (q, k, v, query factors[, key factors]) of a case with `kv_heads` key/value heads, and the rest
+    of its call."""
+    B, G, I, Dh, T, S, query_start, key_wise, window, padding, chunk = GQA_CASES[case]
+    N = 4
+    gen = torch.Generator().manual_seed(len(case) + kv_heads)
+    q = torch.randn(B, N, T, Dh, generator=gen)
+    k, v = (torch.randn(B, kv_heads, S, Dh, generator=gen) for _ in range(2))
+    tensors = [q, k, v, torch.randn(B, T, G, 2, 2 * I + 1, N // G, generator=gen) * 0.5]
+    if key_wise:
+        tensors.append(torch.randn(B, S, G, 2, 2 * I + 1, N // G, generator=gen) * 0.5)
+    pad = None
+    if padding:
+        pad = torch.rand(B, S, generator=gen) > 0.3
+        pad[0, : query_start + 2] = False  # batch 0: its first query sees no real key
+    return tensors, dict(pad=pad, query_start=query_start, window=window, rank=I, groups=G, chunk=chunk)
+
+
+def gqa_inputs(tensors: list[torch.Tensor], call: dict) -> DCMHAInputs:
+    q, k, v, qt, kt = (*tensors, None)[:5]
+    return DCMHAInputs(q, k, v, qt, kt, call["query_start"], 0, call["pad"], call["window"], call["rank"],
+                       call["groups"], call["chunk"])  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("case", list(GQA_CASES))
+def test_grouped_kv_heads_match_oracle_and_expanded_heads(case, kv_heads):
+    """N = 4 query heads on 2 or 1 key/value heads: the output and the gradients of q, k, v and the factors through
+    the autograd Function, and the inference paths' outputs (chunked, with the probabilities; the decode operator
+    or the chunked path without), against autograd through the float64 oracle; and against the same call with the
+    keys and values copied per query head by hand, whose gradients summed over each group's heads are the grouped
+    ones."""
+    tensors, call = gqa_case(case, kv_heads)
+    N = tensors[0].shape[1]
+    leaves = [t.double().requires_grad_() for t in tensors]
+    key_terms = leaves[4] if len(leaves) == 5 else None
+    ref = oracle_attention(*leaves[:4], key_terms, call["pad"], call["query_start"], 0, call["window"], call["rank"])
+    grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    ref_grads = torch.autograd.grad((ref * grad_out).sum(), leaves)
+    ref = ref.detach()
+
+    ours = [t.clone().requires_grad_() for t in tensors]
+    out, _ = dcmha.dcmha_attention(gqa_inputs(ours, call), "cpu")
+    grads = torch.autograd.grad((out * grad_out.float()).sum(), ours)
+    assert_close_to_scale(out, ref)
+    for name, grad, expected in zip(("q", "k", "v", "query factors", "key factors"), grads, ref_grads):
+        assert grad.shape == expected.shape, name
+        assert_close_to_scale(grad, expected, 2e-5)
+        assert expected.abs().max() > 1e-2, name  # every input matters: the test can fail
+    with torch.no_grad():
+        inference, _ = dcmha.dcmha_attention(gqa_inputs(tensors, call), "cpu")
+        chunked, probs = dcmha.dcmha_attention(gqa_inputs(tensors, call), "cpu", output_attentions=True)
+    assert dcmha_cpu.is_decode_call(gqa_inputs(tensors, call)) == (case == "querywise-cached")
+    for result in (inference, chunked):
+        assert_close_to_scale(result, ref)
+    assert probs.shape == (*ref.shape[:1], N, ref.shape[1], tensors[1].shape[2])
+
+    expanded = [t.clone().requires_grad_() for t in (*tensors[:1], expand_kv(tensors[1], N), expand_kv(tensors[2], N),
+                                                      *tensors[3:])]  # fmt: skip
+    plain, _ = dcmha.dcmha_attention(gqa_inputs(expanded, call), "cpu")
+    plain_grads = torch.autograd.grad((plain * grad_out.float()).sum(), expanded)
+    assert_close(out, plain)
+    for index, (grad, plain_grad) in enumerate(zip(grads, plain_grads)):
+        if index in (1, 2):  # the copies' gradients summed over the query heads of each key/value head
+            plain_grad = plain_grad.unflatten(1, (kv_heads, N // kv_heads)).sum(2)
+        assert_close_to_scale(grad, plain_grad)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_grouped_kv_heads_are_never_copied_per_query_head(kv_heads):
+    """Every path of the backend (the autograd Function forward and backward, the chunked inference path with and
+    without the probabilities, the decode operator) with every op's outputs recorded: none has the shape of the
+    keys or values once per query head. S (29) is no other size of the calls; the recorder does see such a copy
+    (transformers' `repeat_kv`) where one is made."""
+    B, N, G, I, Dh, T, S = 2, 4, 2, 2, 6, 21, 29
+    gen = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(B, N, T, Dh, generator=gen, requires_grad=True)
+    k, v = (torch.randn(B, kv_heads, S, Dh, generator=gen, requires_grad=True) for _ in range(2))
+    qt, kt = (torch.randn(B, L, G, 2, 2 * I + 1, N // G, generator=gen, requires_grad=True) for L in (T, S))
+    call = dict(pad=torch.rand(B, S, generator=gen) > 0.2, query_start=S - T, window=None, rank=I, groups=G, chunk=8)
+    with OutputShapes() as recorded:
+        out, _ = dcmha.dcmha_attention(gqa_inputs([q, k, v, qt, kt], call), "cpu")
+        out.square().sum().backward()
+        with torch.no_grad():
+            dcmha.dcmha_attention(gqa_inputs([q, k, v, qt, kt], call), "cpu")
+            dcmha.dcmha_attention(gqa_inputs([q, k, v, qt, kt], call), "cpu", output_attentions=True)
+            few = [q[:, :, -3:], k, v, qt[:, -3:], kt]
+            assert dcmha_cpu.is_decode_call(gqa_inputs(few, {**call, "query_start": S - 3}))
+            dcmha.dcmha_attention(gqa_inputs(few, {**call, "query_start": S - 3}), "cpu")
+    assert k.grad.shape == (B, kv_heads, S, Dh) and k.grad.abs().max() > 0
+    assert len(recorded.shapes) > 50 and (B, N, T, Dh) in recorded.shapes
+    assert kv_copies(recorded.shapes, B, N, S, Dh) == []
+    with OutputShapes() as control:  # transformers' repeat_kv
+        k[:, :, None].expand(B, kv_heads, N // kv_heads, S, Dh).reshape(B, N, S, Dh)
+    assert kv_copies(control.shapes, B, N, S, Dh) == [(B, N, S, Dh)]
+
+
+def test_key_value_heads_that_do_not_divide_the_query_heads_are_a_clear_reason():
+    kernel = DCMHA_BACKENDS["cpu"]
+    q, terms = torch.zeros(1, 4, 5, 8), torch.zeros(1, 5, 1, 2, 5, 4)
+    for key, value in [(torch.zeros(1, 3, 5, 8),) * 2, (torch.zeros(1, 2, 5, 8), torch.zeros(1, 1, 5, 8))]:
+        inputs = DCMHAInputs(q, key, value, terms, terms, 0, 0, None, None, 2, 1, 4)
+        reason = kernel.why_not(inputs)
+        assert "divides the queries' 4" in reason and str(tuple(key.shape)) in reason and "\n" not in reason
+        with pytest.raises(ValueError, match="divides the queries' 4"):
+            dcmha.dcmha_attention(inputs, "cpu")
+    grouped = DCMHAInputs(q, torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), terms, terms, 0, 0, None, None, 2, 1, 4)
+    assert kernel.why_not(grouped) is None

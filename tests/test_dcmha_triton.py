@@ -7,6 +7,10 @@ not.
   the gradients of q, k, v and every composition factor through it: 12 and 32 heads a group, two groups, ranks 1 to
   3, key-wise or query-wise, windows, padding on the left and on the right (rows that see no key), queries and keys
   offset (a cache), one chunk or several (a small memory budget), fp32 and bf16;
+- grouped-query attention (2 or 1 key/value heads for 4 or 6 query heads): the same against the oracle and against
+  the call with the keys and values copied per query head by hand (their gradients summed per group), no op making
+  such a copy itself (every op's outputs recorded), and a number of key/value heads that does not divide the query
+  heads a clear reason;
 - generate() and a model with qk-norm against eager (the shared model checks are in test_dcmha_backends.py);
 - clear errors where it cannot run;
 - the resource gate: every kernel compiled for sm_90 by Triton 3.6.0 (the GPU image's), no spilled register.
@@ -20,10 +24,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import VOCAB, assert_close, assert_close_to_scale, build_model, make_config, padded_batch
+from helpers import (
+    OutputShapes,
+    VOCAB,
+    assert_close,
+    assert_close_to_scale,
+    build_model,
+    kv_copies,
+    make_config,
+    padded_batch,
+)
 from modeling_dcformer.dcmha import DCMHAInputs
 from modeling_dcformer.kernels import dcmha_triton
-from oracle import oracle_attention
+from oracle import expand_kv, oracle_attention
 
 pytestmark = pytest.mark.skipif(dcmha_triton.triton is None, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,12 +64,14 @@ CASES = {
 SMALL_BUDGET = 1 << 14
 
 
-def attention_case(case: str, dtype=torch.float32):
-    """The inputs of a case (float32 or `dtype` activations; fp32 factors), with their padding and window."""
+def attention_case(case: str, dtype=torch.float32, kv_heads: int | None = None):
+    """The inputs of a case (float32 or `dtype` activations; fp32 factors), with their padding and window; the keys
+    and values with `kv_heads` heads (None: one a query head)."""
     B, G, M, I, Dh, T, S, key_wise, window, padding, query_start = CASES[case]
     N = G * M
     gen = torch.Generator().manual_seed(len(case))
-    q, k, v = (torch.randn(B, N, L, Dh, generator=gen) for L in (T, S, S))
+    heads = (N, kv_heads or N, kv_heads or N)
+    q, k, v = (torch.randn(B, H, L, Dh, generator=gen) for H, L in zip(heads, (T, S, S)))
     qt = torch.randn(B, T, G, 2, 2 * I + 1, M, generator=gen) * 0.5
     kt = torch.randn(B, S, G, 2, 2 * I + 1, M, generator=gen) * 0.5 if key_wise else None
     pad = None
@@ -67,10 +82,10 @@ def attention_case(case: str, dtype=torch.float32):
     return (q.to(dtype), k.to(dtype), v.to(dtype), qt, kt), pad, query_start, window, I, G
 
 
-def check_against_oracle(case: str, budget: int, dtype=torch.float32, rel=2e-5):
+def check_against_oracle(case: str, budget: int, dtype=torch.float32, rel=2e-5, kv_heads: int | None = None):
     """The output and every gradient of a case against the oracle's, within `rel` of each tensor's largest value
-    (float32 sums of many terms round with their scale)."""
-    (q, k, v, qt, kt), pad, query_start, window, I, G = attention_case(case, dtype)
+    (float32 sums of many terms round with their scale); the keys and values with `kv_heads` heads."""
+    (q, k, v, qt, kt), pad, query_start, window, I, G = attention_case(case, dtype, kv_heads)
     inputs = [x for x in (q, k, v, qt, kt) if x is not None]
     leaves = [x.double().requires_grad_() for x in inputs]
     key_wise = kt is not None
@@ -84,6 +99,7 @@ def check_against_oracle(case: str, budget: int, dtype=torch.float32, rel=2e-5):
     out = dcmha_triton.dcmha_triton(call, budget)
     assert out.shape == ref.shape and out.dtype == dtype
     grads = torch.autograd.grad((out.float() * grad_out.float().to(DEVICE)).sum(), ours)
+    ref = ref.detach()
     assert_close_to_scale(out.float().cpu(), ref, rel)
     for name, grad, given, expected in zip(("q", "k", "v", "query factors", "key factors"), grads, ours, ref_grads):
         assert grad.shape == expected.shape and grad.dtype == given.dtype, name
@@ -91,6 +107,17 @@ def check_against_oracle(case: str, budget: int, dtype=torch.float32, rel=2e-5):
         assert expected.abs().max() > 1e-2, name  # every input matters: the test can fail
     if pad is not None:  # the row that sees no key: output 0, as in the other implementations
         assert (out[0, 0].cpu() == 0).all()
+    if kv_heads is not None:  # the call with the keys and values copied per query head: their grads summed per group
+        N = q.shape[1]
+        expanded = [x.to(DEVICE).requires_grad_() for x in (q, expand_kv(k, N), expand_kv(v, N), *inputs[3:])]
+        plain = dcmha_triton.dcmha_triton(DCMHAInputs(*expanded[:4], expanded[4] if key_wise else None, query_start,
+                                                      0, call.key_padding_mask, window, I, G, 4), budget)  # fmt: skip
+        plain_grads = torch.autograd.grad((plain.float() * grad_out.float().to(DEVICE)).sum(), expanded)
+        assert_close(out.float().cpu(), plain.float().cpu())
+        for index, (grad, plain_grad) in enumerate(zip(grads, plain_grads)):
+            if index in (1, 2):
+                plain_grad = plain_grad.unflatten(1, (kv_heads, N // kv_heads)).sum(2)
+            assert_close_to_scale(grad.float().cpu(), plain_grad.float().cpu())
     return call
 
 
@@ -104,6 +131,59 @@ def test_triton_matches_oracle_forward_and_backward(case, budget):
     assert len(chunks.spans) == -(-T // chunks.chunk)
     if budget == SMALL_BUDGET and case in ("pad-left-and-right-window", "12-heads", "querywise-groups2"):
         assert len(chunks.spans) > 1  # the gradients of keys and values summed over chunks
+
+
+@pytest.mark.usefixtures("runs_here")
+@pytest.mark.parametrize("case,budget,kv_heads", [("pad-left-and-right-window", SMALL_BUDGET, 2),
+                                                  ("pad-left-and-right-window", SMALL_BUDGET, 1),
+                                                  ("rank3-groups2-cached", dcmha_triton.MEMORY_BUDGET, 2),
+                                                  ("rank3-groups2-cached", dcmha_triton.MEMORY_BUDGET, 1),
+                                                  ("querywise-groups2", SMALL_BUDGET, 2)],
+                         ids=["window-chunks-kv2", "window-chunks-kv1", "cached-kv2", "cached-kv1", "querywise-kv2"])
+def test_triton_with_grouped_kv_heads_matches_oracle_and_expanded_heads(case, budget, kv_heads):
+    """Query heads (4, or 6 query-wise) on 2 or 1 key/value heads: the output and the gradients of q, k, v and the
+    factors against the oracle, and against the call with the keys and values copied per query head."""
+    call = check_against_oracle(case, budget, kv_heads=kv_heads)
+    assert call.key.shape[1] == kv_heads < call.query.shape[1]
+
+
+@pytest.mark.usefixtures("runs_here")
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_triton_never_copies_grouped_kv_heads_per_query_head(kv_heads):
+    """Forward and backward over two chunks with every op's outputs recorded: none has the shape of the keys or
+    values once per query head (S = 13 is no other size of the call); the recorder does see such a copy
+    (transformers' `repeat_kv`) where one is made."""
+    B, N, G, I, Dh, T, S = 2, 4, 2, 2, 8, 10, 13
+    gen = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(B, N, T, Dh, generator=gen, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(B, kv_heads, S, Dh, generator=gen, device=DEVICE, requires_grad=True) for _ in range(2))
+    qt, kt = (torch.randn(B, L, G, 2, 2 * I + 1, N // G, generator=gen, device=DEVICE, requires_grad=True)
+              for L in (T, S))  # fmt: skip
+    inputs = DCMHAInputs(q, k, v, qt, kt, S - T, 0, None, 6, I, G, 4)
+    with OutputShapes() as recorded:
+        out = dcmha_triton.dcmha_triton(inputs, chunk=8)
+        out.square().sum().backward()
+    assert k.grad.shape == (B, kv_heads, S, Dh) and k.grad.abs().max() > 0
+    assert len(dcmha_triton.Call(inputs, None, None, 0, 8).spans) == 2
+    assert len(recorded.shapes) > 50 and (B, T, N, Dh) in recorded.shapes
+    assert kv_copies(recorded.shapes, B, N, S, Dh) == []
+    with OutputShapes() as control:  # transformers' repeat_kv
+        k[:, :, None].expand(B, kv_heads, N // kv_heads, S, Dh).reshape(B, N, S, Dh)
+    assert kv_copies(control.shapes, B, N, S, Dh) == [(B, N, S, Dh)]
+
+
+@pytest.mark.usefixtures("runs_here")
+def test_key_value_heads_that_do_not_divide_the_query_heads_are_a_clear_reason():
+    q, terms = torch.zeros(1, 4, 5, 8, device=DEVICE), torch.zeros(1, 5, 1, 2, 5, 4, device=DEVICE)
+    key = torch.zeros(1, 3, 5, 8, device=DEVICE)
+    inputs = DCMHAInputs(q, key, key, terms, terms, 0, 0, None, None, 2, 1, 4)
+    reason = dcmha_triton.TRITON.why_not(inputs)
+    assert "divides the queries' 4" in reason and "(1, 3, 5, 8)" in reason and "\n" not in reason
+    with pytest.raises(ValueError, match="divides the queries' 4"):
+        dcmha_triton.dcmha_triton(inputs)
+    grouped = torch.zeros(1, 2, 5, 8, device=DEVICE)
+    assert dcmha_triton.TRITON.why_not(DCMHAInputs(q, grouped, grouped, terms, terms, 0, 0, None, None, 2, 1, 4)) \
+        is None
 
 
 @pytest.mark.usefixtures("runs_here")

@@ -158,7 +158,8 @@ def test_tied_embeddings_share_storage(tiny_model):
         (dict(qk_norm_eps=float("nan")), "qk_norm_eps"),
         (dict(hidden_act="gelux"), "hidden_act"),
         (dict(window_size=None, window_type="LG"), "window_type"),
-        (dict(head_dim=16), "head_dim"),
+        (dict(head_dim=0), "head_dim"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
     ],
 )
 def test_bad_config_raises_naming_field(tiny_config, overrides, field):
@@ -175,13 +176,13 @@ def test_value_changed_after_construction_is_checked_before_saving(tiny_config, 
     assert not (tmp_path / "config.json").exists()
 
 
-def test_consistent_head_dim_is_accepted(tiny_config, tmp_path):
+def test_head_dim_as_derived_or_of_its_own(tiny_config, tmp_path):
     config = tiny_config(head_dim=8)  # hidden_size 32 / 4 heads: the value an HF-style config.json spells out
     assert config.head_dim == 8
     (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "head_dim": 8}))
     assert DCFormerConfig.from_pretrained(tmp_path).head_dim == 8
-    with pytest.raises(ValueError, match="head_dim=6"):
-        DCFormerConfig.from_dict({**config.to_dict(), "head_dim": 6})
+    own = DCFormerConfig.from_dict({**config.to_dict(), "head_dim": 16})  # Qwen3: heads x head_dim != hidden_size
+    assert own.head_dim == 16 and own.hidden_size == 32
 
 
 @pytest.mark.parametrize(

@@ -203,6 +203,41 @@ def test_attention_layer_matches_oracle(qk_norm, window_mode, query_wise, groups
 
 
 @pytest.mark.parametrize("implementation", ["eager", "cpu"])
+@pytest.mark.parametrize("chunk", [3, 512])
+@pytest.mark.parametrize("query_wise", [False, True])
+@pytest.mark.parametrize("window_mode", ["global", "LG"])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_query_attention_layer_matches_oracle(kv_heads, window_mode, query_wise, chunk, implementation):
+    """Grouped-query attention (key/value heads shared by groups of query heads, and a head_dim that does not
+    divide hidden_size): every layer's attention output against the oracle, which copies K/V per query head."""
+    if implementation == "cpu" and not dcmha_cpu.ensure_built():
+        pytest.skip("no C compiler for the CPU kernel")
+    window_size, window_type = WINDOW_MODES[window_mode]
+    config = make_config(
+        num_key_value_heads=kv_heads, head_dim=12, attention_output_bias=False, use_qk_norm=True,
+        window_size=window_size, window_type=window_type, query_wise=query_wise, num_head_groups=2,
+        attention_chunk_size=chunk, dcmha_implementation=implementation,
+    )  # fmt: skip
+    model = build_model(config)
+    attention = model.model.layers[0].self_attn
+    assert attention.qkv_proj.weight.shape == ((4 + 2 * kv_heads) * 12, 32) and attention.o_proj.bias is None
+    input_ids = torch.randint(0, VOCAB, (BATCH, T_SEQ), generator=torch.Generator().manual_seed(1))
+    _, io = capture_attention_io(model, input_ids)
+    for idx, (x, out) in io.items():
+        params = as_double(model.model.layers[idx].self_attn.state_dict())
+        ref = oracle_dcmha_layer(x.double(), params, config, layer_window(config, idx))
+        assert_close(out, ref)
+    # the test can fail: with key/value heads 0 and 1 exchanged, query heads 0, 1 read what 2, 3 did
+    if kv_heads == 2:
+        Dh, q_rows = 12, 4 * 12
+        k0, k1, v0, v1 = (torch.arange(q_rows + i * Dh, q_rows + (i + 1) * Dh) for i in range(4))
+        order = torch.cat((torch.arange(q_rows), k1, k0, v1, v0))
+        swapped = {**params, "qkv_proj.weight": params["qkv_proj.weight"][order],
+                   "qkv_proj.bias": params["qkv_proj.bias"][order]}
+        assert max_diff(ref, oracle_dcmha_layer(x.double(), swapped, config, layer_window(config, idx))) > MARGIN
+
+
+@pytest.mark.parametrize("implementation", ["eager", "cpu"])
 def test_attention_probabilities_match_oracle(implementation):
     """output_attentions returns the post-composed probabilities (masked entries zero)."""
     if implementation == "cpu" and not dcmha_cpu.ensure_built():
@@ -364,6 +399,24 @@ BODIES = {
         window_type="LG",
         attention_chunk_size=5,
     ),
+    # a Llama-family body: grouped-query attention (2 key/value heads for 6 query heads), a head_dim of its own
+    # (6 x 10 != 48), biases on q, k, v but not on o (Qwen2), qk-norm (Qwen3)
+    "llama-gqa": dict(
+        norm_type="rmsnorm",
+        use_parallel_residual=False,
+        use_gated_mlp=True,
+        hidden_act="silu",
+        attention_bias=True,
+        attention_output_bias=False,
+        mlp_bias=False,
+        partial_rotary_factor=1.0,
+        num_key_value_heads=2,
+        head_dim=10,
+        use_qk_norm=True,
+        window_size=WINDOW,
+        window_type="LG",
+        attention_chunk_size=5,
+    ),
 }
 
 
@@ -394,8 +447,13 @@ GRAD_PARAMS = ["dyn_w_proj.dw1", "dyn_w_proj.qkw", "dyn_w_proj.dd", "qkv_proj.we
         dict(query_wise=False, num_head_groups=2, dynamic_rank=1, attention_chunk_size=512, layer=1),  # global
         dict(query_wise=True, num_head_groups=2, dynamic_rank=2, attention_chunk_size=1, layer=0),
         dict(query_wise=False, num_head_groups=2, dynamic_rank=2, attention_chunk_size=3, layer=0, train=True),
+        dict(query_wise=False, num_head_groups=2, dynamic_rank=2, attention_chunk_size=3, layer=0, train=True,
+             num_key_value_heads=2, head_dim=12),
+        dict(query_wise=True, num_head_groups=1, dynamic_rank=1, attention_chunk_size=512, layer=1,
+             num_key_value_heads=1),
     ],
-    ids=["local-chunk3", "global-groups2", "querywise-chunk1", "train-recompute-chunk3"],
+    ids=["local-chunk3", "global-groups2", "querywise-chunk1", "train-recompute-chunk3", "gqa2-headdim12-train",
+         "mqa-querywise-global"],
 )
 def test_backward_matches_oracle(options):
     options = dict(options)
@@ -430,7 +488,7 @@ def test_backward_matches_oracle(options):
     assert_close(x_model.grad, x_ref.grad)
 
 
-@pytest.mark.parametrize("body", ["dcpythia", "dcformer++"])
+@pytest.mark.parametrize("body", ["dcpythia", "dcformer++", "llama-gqa"])
 def test_causal_lm_backward_matches_oracle(body):
     """Cross-entropy of the whole model in training mode: every parameter's gradient against the oracle's."""
     config = make_config(hidden_size=48, num_attention_heads=6, num_hidden_layers=3, **BODIES[body])

@@ -16,6 +16,7 @@ PRESETS = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.json")))
 EXPECTED_FILES = [
     "dcformer-2.8b.json",
     "dcformer-tiny.json",
+    *[f"dcformer-{name}.json" for name in ("llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b")],
     "dcpythia-6.9b.json",
     *[f"dcpythia-pythia-{size}.json" for size in ("70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")],
 ]
@@ -61,8 +62,9 @@ def test_preset_loads_cleanly(path):
     assert isinstance(config, DCFormerConfig)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         assert getattr(config, key) == raw[key], key
-    assert config.rope_theta == raw["rope_theta"]
-    assert config.partial_rotary_factor == raw["partial_rotary_factor"]
+    rope = raw.get("rope_parameters", raw)  # the transformers dict, or the flat keys of older configs
+    assert config.rope_theta == rope["rope_theta"]
+    assert config.partial_rotary_factor == rope["partial_rotary_factor"]
     assert len(config.layer_types) == config.num_hidden_layers
     # round trip through transformers' own serialisation
     again = DCFormerConfig.from_dict(config.to_dict())
@@ -139,6 +141,57 @@ def test_pythia_shaped_parameter_count_is_pythia_plus_dcmha():
     assert total - extra == 162_322_944
 
 
+# The Llama-family presets: the source's config.json fields (Hub `config.json` of each model) as transformers' own
+# config class, and the source's parameter count (tied embeddings counted once).
+LLAMA_FAMILY = {
+    "llama-3.2-1b": ("LlamaConfig", 1_235_814_400, dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "qwen2.5-0.5b": ("Qwen2Config", 494_032_768, dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-0.6b": ("Qwen3Config", 596_049_920, dict(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mistral-7b": ("MistralConfig", 7_241_732_096, dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, sliding_window=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_FAMILY))
+def test_llama_family_presets_are_the_sources_shapes(name):
+    import transformers
+
+    config_class, count, fields = LLAMA_FAMILY[name]
+    c = load(f"dcformer-{name}.json")
+    source = getattr(transformers, config_class)(**fields)
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(source)
+    model = meta_model(c)
+    extra = sum(dcmha_params(layer) for layer in model.model.layers)
+    total = sum(p.numel() for p in model.parameters())
+    assert total - extra == sum(p.numel() for p in reference.parameters()) == count
+    head_dim = getattr(source, "head_dim", None) or source.hidden_size // source.num_attention_heads
+    assert (c.num_key_value_heads, c.head_dim) == (source.num_key_value_heads, head_dim)
+    assert c.layer_norm_eps == source.rms_norm_eps and c.tie_word_embeddings == source.tie_word_embeddings
+    assert c.norm_type == "rmsnorm" and not c.use_parallel_residual and c.use_gated_mlp and c.hidden_act == "silu"
+    assert c.use_qk_norm == (name == "qwen3-0.6b") and c.use_dcmha
+    assert c.window_size == getattr(source, "sliding_window", None) if name == "mistral-7b" else c.window_size is None
+    attention = model.model.layers[0].self_attn
+    assert (attention.qkv_proj.bias is not None, attention.o_proj.bias is not None) == (name == "qwen2.5-0.5b", False)
+    ours = model.model.rotary_emb.__class__(c).inv_freq
+    theirs = reference.model.rotary_emb.__class__(source).inv_freq
+    torch.testing.assert_close(ours, theirs)  # llama3 scaling included: transformers' rope functions
+
+
 def test_tiny_preset_builds_and_runs():
     c = load("dcformer-tiny.json")
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads) == (64, 2, 4)
@@ -170,7 +223,7 @@ def test_from_preset_unknown_name_lists_the_presets():
     with pytest.raises(ValueError) as err:
         DCFormerConfig.from_preset("dcpythia-7b")
     message = str(err.value)
-    assert message.startswith("unknown preset 'dcpythia-7b'; the presets are: dcformer-2.8b, dcformer-tiny, ")
+    assert message.startswith("unknown preset 'dcpythia-7b'; the presets are: dcformer-2.8b, dcformer-llama-3.2-1b, ")
     assert "dcpythia-pythia-12b" in message and "\n" not in message
 
 

@@ -245,8 +245,9 @@ def test_released_config_translated_field_by_field(tmp_path, case):
     assert config.custom_extra_key == {"kept": [1, 2, 3]}
     saved = config.to_dict()
     for key in ("dim", "n_layer", "n_head", "n_local_heads", "block_size", "rope_base", "norm_eps", "is_training",
-                "q_chunk_size", "use_gradient_checkpointing", "use_linear_bias", "auto_map", "head_dim"):
+                "q_chunk_size", "use_gradient_checkpointing", "use_linear_bias", "auto_map"):
         assert key not in saved, key
+    assert saved["head_dim"] == raw["dim"] // raw["n_head"]  # ours, derived: not the file's stale value
     # the translated config round-trips as our own layout, extra key included
     config.save_pretrained(tmp_path / "ours")
     again = AutoConfig.from_pretrained(tmp_path / "ours")

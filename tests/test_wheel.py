@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-SCRIPTS = ("dcformer-convert-pythia", "dcformer-convert-released", "dcformer-eval")
+SCRIPTS = ("dcformer-convert-pythia", "dcformer-convert-llama", "dcformer-convert-released", "dcformer-eval")
 
 pytestmark = pytest.mark.wheel  # installs a fresh environment: `make check-wheel` runs it (`pytest -m wheel`)
 

@@ -14,6 +14,7 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }  # fmt: skip
+CHUNK = 16 << 20  # bytes of a stored tensor hashed at a time
 
 
 def add_tensor(digest, name: str, dtype: torch.dtype, shape: tuple, data) -> None:
@@ -74,11 +75,15 @@ def checkpoint_fingerprint(directory: Path, config) -> str:
         file, (stored_dtype, shape, begin, end) = where[stored]
         with open(file, "rb") as f:
             f.seek(begin)
-            data = bytearray(f.read(end - begin))
-        if stored_dtype != dtype:
-            tensor = torch.frombuffer(data, dtype=stored_dtype).to(dtype) if data else torch.empty(0, dtype=dtype)
-            data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
-        add_tensor(digest, name, dtype, shape, data)
+            if stored_dtype == dtype:  # the bytes as stored, hashed as they are read: no copy of the tensor
+                add_tensor(digest, name, dtype, shape, b"")
+                for done in range(begin, end, CHUNK):
+                    digest.update(f.read(min(CHUNK, end - done)))
+                continue
+            data = bytearray(end - begin)
+            f.readinto(data)
+        tensor = torch.frombuffer(data, dtype=stored_dtype).to(dtype) if data else torch.empty(0, dtype=dtype)
+        add_tensor(digest, name, dtype, shape, tensor.contiguous().view(torch.uint8).numpy())
     return "sha256:" + digest.hexdigest()
 
 

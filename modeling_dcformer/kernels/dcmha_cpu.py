@@ -11,6 +11,10 @@ gradients of the products and of the composition factors, 16 query rows against 
 "auto" uses it for training on CPU too. Two more operators serve inference: `torch.ops.dcformer.dynamic_terms`, the
 dynamic-weight projection in one call (`CPUBackend.project`), and `torch.ops.dcformer.dcmha_decode`, a few queries'
 whole attention in one call (`decode_attention`: a decode step). A save's remote code does not carry this file.
+
+Grouped-query attention: the keys and values have Nkv heads (Nkv dividing the N query heads), and query head n reads
+key/value head n // (N / Nkv). No path copies them per query head: the products take the query heads that share a
+key/value head as one batch entry (`kv_groups`), and the decode operator indexes the key/value head itself.
 """
 
 import contextlib
@@ -22,7 +26,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from transformers.utils import logging
 
-from ..dcmha_base import DCMHABackend, DCMHAInputs, join_chunks
+from ..dcmha_base import DCMHABackend, DCMHAInputs, join_chunks, kv_heads_problem
 from .build import OperatorLibrary
 
 logger = logging.get_logger(__name__)
@@ -71,6 +75,21 @@ def score_layout(B: int, N: int, c: int, s: int, stagger: int = HEAD_STAGGER) ->
     chunk needs and its strides."""
     head = -(-c * s // 1024) * 1024 + stagger
     return B * N * head, (N * head, head, s, 1)
+
+
+def kv_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """x [B, N, L, X] as [B * Nkv, N / Nkv, L, X]: batch entry b * Nkv + h holds the query heads that read key/value
+    head h (a view where x allows one, else a copy)."""
+    B, N, L, X = x.shape
+    return x.reshape(B * kv_heads, N // kv_heads, L, X)
+
+
+def chunk_rows(x: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """The rows [t0, t1) of `kv_groups`'s x [B * Nkv, rep, L, X] as one matrix per batch entry, [B * Nkv, rep * c, X]
+    (rep heads of c rows): the operand of a product that sums over a key/value head's query heads. A view where
+    rep == 1 or the rows are all of x's, else a copy (of c rows a head: far fewer floats than the chunk's scores)."""
+    BK, rep, _, X = x.shape
+    return x[:, :, t0:t1].reshape(BK, rep * (t1 - t0), X)
 
 
 def rows_per_tile(num_heads_per_group: int, keys: int, budget_floats: int = 1 << 18) -> int:
@@ -138,6 +157,9 @@ class CPUBackend(DCMHABackend):
             return f"it supports dynamic_rank <= {MAX_RANK}"
         if needs_grad(inputs) and inputs.query.shape[1] // inputs.num_groups > MAX_HEADS_BACKWARD:
             return f"its backward pass supports up to {MAX_HEADS_BACKWARD} heads a group"
+        problem = kv_heads_problem(inputs)
+        if problem is not None:
+            return problem
         return self.failure or self.library.unavailable()
 
     def __call__(self, inputs: DCMHAInputs, *, output_attentions: bool = False, recompute: bool = False):
@@ -169,7 +191,8 @@ def is_decode_call(inputs: DCMHAInputs, output_attentions: bool = False) -> bool
 def decode_attention(inputs: DCMHAInputs) -> torch.Tensor:
     """A few queries (a decode step, or a few draft tokens) in one operator call, `torch.ops.dcformer.dcmha_decode`:
     the same arithmetic as the chunked path (q.k, then the operator of `compose_softmax_compose`, then times the
-    values), with the factors read where the model and its cache keep them. Returns the output [B, T, N, Dh]."""
+    values), with the factors read where the model and its cache keep them, and each query head's key/value head
+    read where it is (no copy per query head). Returns the output [B, T, N, Dh]."""
     CPU.prepare()
     B, N, T, S, Dh = inputs.shapes
     pad = inputs.key_padding_mask
@@ -201,27 +224,37 @@ class KernelCall(NamedTuple):
 def kernel_forward(call: KernelCall, query, key, value, query_terms, key_terms, output_attentions: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per chunk: q.k into one buffer reused by every chunk (laid out by `score_layout`), the operator in place on
-    it, then @ v. Returns the output [B, T, N, Dh] and, with `output_attentions`, the probabilities [B, N, T, S]."""
+    it, then @ v. Returns the output [B, T, N, Dh] and, with `output_attentions`, the probabilities [B, N, T, S].
+    key, value [B, Nkv, S, Dh]: the rep = N / Nkv query heads of a key/value head are products of their own (one
+    batched product per r < rep, over the B * Nkv key/value heads), written into the staggered layout, which a
+    single product of a group's rep * c rows could not write."""
     B, N, T, Dh = query.shape
-    S = key.shape[2]
-    q = query.reshape(B * N, T, Dh)  # views where they can be (batch 1): the products take strides
-    k = key.reshape(B * N, S, Dh)
-    v = value.reshape(B * N, S, Dh)
+    Nkv, S = key.shape[1], key.shape[2]
+    rep = N // Nkv
+    q = kv_groups(query, Nkv)  # views where they can be (batch 1): the products take strides
+    k = key.reshape(B * Nkv, S, Dh)
+    v = value.reshape(B * Nkv, S, Dh)
     probs_all = q.new_zeros(B, N, T, S, dtype=torch.float32) if output_attentions else None
     layouts = [score_layout(B, N, t1 - t0, s1 - s0) for t0, t1, s0, s1 in call.spans]
     buffer = torch.empty(max(size for size, _ in layouts), dtype=torch.float32)
     outputs = []
     for (t0, t1, s0, s1), (_, strides) in zip(call.spans, layouts):
         c, s = t1 - t0, s1 - s0
-        scores = buffer.as_strided((B, N, c, s), strides).view(B * N, c, s)  # the products write into the layout
-        if q.dtype == torch.float32:
-            torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2), out=scores)
-        else:  # products in the model's dtype, then fp32, as in the eager chunks
-            scores.copy_(torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2)))
-        chunk_probabilities(call, scores.view(B, N, c, s), query_terms, key_terms, t0, s0)
-        outputs.append(torch.bmm(scores.to(v.dtype), v[:, s0:s1]).view(B, N, c, Dh).transpose(1, 2))
+        scores = buffer.as_strided((B, N, c, s), strides)  # the products write into the layout
+        heads = scores.view(B * Nkv, rep, c, s)
+        out = v.new_empty(B * Nkv, rep, c, Dh)
+        k_t = k[:, s0:s1].transpose(1, 2)
+        for r in range(rep):
+            if q.dtype == torch.float32:
+                torch.bmm(q[:, r, t0:t1], k_t, out=heads[:, r])
+            else:  # products in the model's dtype, then fp32, as in the eager chunks
+                heads[:, r].copy_(torch.bmm(q[:, r, t0:t1], k_t))
+        chunk_probabilities(call, scores, query_terms, key_terms, t0, s0)
+        for r in range(rep):
+            torch.bmm(heads[:, r].to(v.dtype), v[:, s0:s1], out=out[:, r])
+        outputs.append(out.view(B, N, c, Dh).transpose(1, 2))
         if probs_all is not None:
-            probs_all[:, :, t0:t1, s0:s1] = scores.view(B, N, c, s)
+            probs_all[:, :, t0:t1, s0:s1] = scores
     return join_chunks(outputs), probs_all
 
 
@@ -237,7 +270,9 @@ class KernelAttention(torch.autograd.Function):
     """`kernel_forward` with its gradient. The forward pass saves only its inputs (like `attention_recompute`, at no
     extra cost: nothing of a chunk is kept); the backward pass recomputes each chunk's q.k products and probabilities
     (fp32), then the backward operator gives the gradients of the products and of the factors, and the products'
-    gradients give those of q, k and v."""
+    gradients give those of q, k and v. With grouped keys and values (Nkv heads) each product takes a key/value
+    head's rep query heads as one matrix of rep * c rows (`chunk_rows`), so the products of dk and dv sum over them
+    themselves."""
 
     @staticmethod
     def forward(ctx, call: KernelCall, query, key, value, query_terms, key_terms):
@@ -251,26 +286,32 @@ class KernelAttention(torch.autograd.Function):
         call = ctx.call
         query, key, value, query_terms, key_terms = ctx.saved_tensors
         B, N, T, Dh = query.shape
-        q, k, v = (x.reshape(B * N, -1, Dh).float() for x in (query, key, value))
-        grad = grad_output.transpose(1, 2).reshape(B * N, T, Dh).float()  # [B, T, N, Dh] -> [B*N, T, Dh]
+        Nkv, S = key.shape[1], key.shape[2]
+        q = kv_groups(query, Nkv).float()  # [B * Nkv, rep, T, Dh]
+        k, v = (x.reshape(B * Nkv, S, Dh).float() for x in (key, value))
+        grad = kv_groups(grad_output.transpose(1, 2), Nkv).float()  # [B, T, N, Dh] -> [B * Nkv, rep, T, Dh]
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)  # the chunks cover every query
         dqt = torch.zeros_like(query_terms)
         dkt = None if key_terms is None else torch.zeros_like(key_terms)
         for t0, t1, s0, s1 in call.spans:
             c, s = t1 - t0, s1 - s0
-            g = grad[:, t0:t1]
-            scores = torch.bmm(q[:, t0:t1], k[:, s0:s1].transpose(1, 2))  # the products, then the probabilities
+            qc, g = chunk_rows(q, t0, t1), chunk_rows(grad, t0, t1)  # [B * Nkv, rep * c, Dh]
+            scores = torch.bmm(qc, k[:, s0:s1].transpose(1, 2))  # the products, then the probabilities
             dscores = torch.bmm(g, v[:, s0:s1].transpose(1, 2))  # the probabilities' gradient, then the products'
             compose_softmax_compose_backward(
                 scores.view(B, N, c, s), dscores.view(B, N, c, s), query_terms, t0, key_terms, s0, call.pad,
                 call.query_start + t0, call.key_start + s0, call.window_size, call.scale, call.rank,
                 call.num_groups, dqt, dkt,
             )  # fmt: skip
-            # the products write into (or add to) the gradients' rows in place: no temporary, no extra pass
+            # the products write into (or add to) the gradients' rows in place: no temporary, no extra pass (but for
+            # dq's rows of a chunk of grouped heads, which are no one matrix: a copy of c rows a head)
             dv[:, s0:s1].baddbmm_(scores.transpose(1, 2), g)
-            torch.bmm(dscores, k[:, s0:s1], out=dq[:, t0:t1])
-            dk[:, s0:s1].baddbmm_(dscores.transpose(1, 2), q[:, t0:t1])
-        shaped = (x.view(B, N, -1, Dh).to(t.dtype) for x, t in ((dq, query), (dk, key), (dv, value)))
+            if dq.shape[1] == 1 or (t0, t1) == (0, T):
+                torch.bmm(dscores, k[:, s0:s1], out=dq[:, :, t0:t1].view(dscores.shape[0], -1, Dh))
+            else:
+                dq[:, :, t0:t1] = torch.bmm(dscores, k[:, s0:s1]).view(-1, dq.shape[1], c, Dh)
+            dk[:, s0:s1].baddbmm_(dscores.transpose(1, 2), qc)
+        shaped = (x.view(t.shape).to(t.dtype) for x, t in ((dq, query), (dk, key), (dv, value)))
         return None, *shaped, dqt, dkt
 
 
@@ -407,8 +448,9 @@ def compose_softmax_compose_backward(
 ) -> torch.Tensor:
     """The gradient of `compose_softmax_compose` for one chunk. raw: the chunk's q.k products [B, N, c, s] (as the
     forward pass got them), overwritten with the probabilities (what `compose_softmax_compose` returns: the values'
-    gradient needs them); grad: the gradient of the probabilities, overwritten with the gradient of raw (returned). The factors' gradients are added to query_terms_grad and key_terms_grad (laid out
-    like the factors; key_terms_grad None exactly when key_terms is). Other arguments as `compose_softmax_compose`."""
+    gradient needs them); grad: the gradient of the probabilities, overwritten with the gradient of raw (returned).
+    The factors' gradients are added to query_terms_grad and key_terms_grad (laid out like the factors;
+    key_terms_grad None exactly when key_terms is). Other arguments as `compose_softmax_compose`."""
     pad = checked_operands(rank, key_padding_mask, raw=raw, grad=grad, query_terms=query_terms, key_terms=key_terms,
                            query_terms_grad=query_terms_grad, key_terms_grad=key_terms_grad)
     B = raw.shape[0]

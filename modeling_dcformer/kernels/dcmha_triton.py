@@ -20,9 +20,14 @@ factors of a head are loaded where they are used. A program visits only the key 
 windows); rows and keys that a block holds but cannot see are masked, and the rest of the chunk's rectangle is
 written with zeros for the products that read it.
 
-Layouts: q [B, N, T, Dh], k and v [B, N, S, Dh] (the last dimension contiguous); the factors time-last and
-contiguous fp32, the queries' [B, G, 2, 2I+1, M, T] and the keys' [B, G, 2, 2I+1, M, S] (slots pre and post; rows
-w1, w2, dd: `DynamicWeightProjection`'s packing); the key padding [B, S] uint8 (1: a real token).
+Layouts: q [B, N, T, Dh], k and v [B, Nkv, S, Dh] (the last dimension contiguous; Nkv divides N, and query head n
+reads key/value head n // (N / Nkv)); the factors time-last and contiguous fp32, the queries' [B, G, 2, 2I+1, M, T]
+and the keys' [B, G, 2, 2I+1, M, S] (slots pre and post; rows w1, w2, dd: `DynamicWeightProjection`'s packing); the
+key padding [B, S] uint8 (1: a real token). With fewer key/value heads than query heads (grouped-query attention)
+the cuBLAS products take a key/value head's N / Nkv query heads as one matrix of their rows (`grouped_matmul`,
+`group_rows`: a copy of the chunk's query rows at most), so that keys and values are never copied per query head
+and the products of dk and dv sum over a group's heads themselves; the Triton kernels work on the [B, N, c, s]
+scores as they are.
 
 Runs on CUDA, or on the CPU in Triton's interpreter (`TRITON_INTERPRET=1` when this module is imported): that is
 how the tests check it against the float64 oracle. Triton is optional: without it this module imports, and
@@ -33,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from ..dcmha_base import DCMHABackend, DCMHAInputs
+from ..dcmha_base import DCMHABackend, DCMHAInputs, kv_heads_problem
+from ..dcmha_eager import grouped_matmul
 
 MAX_RANK = 8  # dynamic_rank supported by the kernels
 
@@ -586,28 +592,38 @@ class Call:
                 qt if self.pad is None else self.pad, *buffers[1:])
 
 
+def group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """x [B, N, c, X] as [B, Nkv, N/Nkv * c, X]: each key/value head's query heads' rows as one matrix (a view where
+    x's strides allow it, else a copy of x), the operand of a product that sums over the heads of a group."""
+    B, N, c, X = x.shape
+    return x.reshape(B, kv_heads, (N // kv_heads) * c, X)
+
+
 def _forward(call: Call, query, key, value):
-    """The attention output [B, T, N, Dh] and the log-sum-exp of every row and head [B, N, T] (for the backward)."""
+    """The attention output [B, T, N, Dh] and the log-sum-exp of every row and head [B, N, T] (for the backward);
+    key and value [B, Nkv, S, Dh]."""
     B, N, T, Dh = query.shape
     out = query.new_zeros(B, T, N, Dh) if key.shape[2] == 0 else query.new_empty(B, T, N, Dh)
     lse = torch.full((B, N, T), float("inf"), device=query.device, dtype=torch.float32)
     for span in call.spans:
         chunk = Chunk(call, span)
         t0, t1, s0, s1 = span
-        scores = torch.matmul(query[:, :, t0:t1], key[:, :, s0:s1].transpose(-1, -2)).contiguous()
+        scores = grouped_matmul(query[:, :, t0:t1], key[:, :, s0:s1].transpose(-1, -2)).contiguous()
         blocks = triton.cdiv(chunk.s, FORWARD_TILE[1])
         partials = torch.empty(B, N, chunk.c, blocks, 2, device=query.device, dtype=torch.float32)
         chunk.launch(_fwd_stats, FORWARD_TILE, *call.operands(scores, partials))
         chunk.launch(_fwd_probs, FORWARD_TILE, *call.operands(scores, partials, lse), NW=32)
-        out[:, t0:t1] = torch.matmul(scores, value[:, :, s0:s1]).transpose(1, 2)
+        out[:, t0:t1] = grouped_matmul(scores, value[:, :, s0:s1]).transpose(1, 2)
     return out, lse
 
 
 def _backward(call: Call, query, key, value, lse, grad_out):
     """The gradients of q, k, v (in their dtypes) and of the query and key factors (fp32), chunk by chunk: the
     products recomputed (cuBLAS), then the two kernels, then the products' gradients (cuBLAS) and the partials
-    summed."""
+    summed. key and value [B, Nkv, S, Dh]: dk and dv are one product per key/value head over its query heads' rows
+    (`group_rows`), which sums over them."""
     B, N, T, Dh = query.shape
+    Nkv = key.shape[1]
     G, M, I, R = call.groups, call.heads_per_group, call.rank, BACKWARD_TILE[0]
     d_out = grad_out.transpose(1, 2)  # [B, N, T, Dh]
     dq = torch.empty(query.shape, device=query.device, dtype=torch.float32)
@@ -620,8 +636,9 @@ def _backward(call: Call, query, key, value, lse, grad_out):
         t0, t1, s0, s1 = span
         c, s, blocks, row_blocks = chunk.c, chunk.s, triton.cdiv(chunk.s, BACKWARD_TILE[1]), triton.cdiv(chunk.c, R)
         k, v = key[:, :, s0:s1], value[:, :, s0:s1]
-        scores = torch.matmul(query[:, :, t0:t1], k.transpose(-1, -2)).contiguous()
-        d_probs = torch.matmul(d_out[:, :, t0:t1], v.transpose(-1, -2)).contiguous()
+        q, g = group_rows(query[:, :, t0:t1], Nkv), group_rows(d_out[:, :, t0:t1], Nkv)  # [B, Nkv, rep * c, Dh]
+        scores = torch.matmul(q, k.transpose(-1, -2)).view(B, N, c, s)
+        d_probs = torch.matmul(g, v.transpose(-1, -2)).view(B, N, c, s)
         dpart = torch.empty(B, N, c, blocks, device=query.device, dtype=torch.float32)
         delta = torch.empty(B, N, c, device=query.device, dtype=torch.float32)
         qpart = torch.empty(B, G, 2, 2 * I + 1, M, c, blocks, device=query.device, dtype=torch.float32)
@@ -632,9 +649,9 @@ def _backward(call: Call, query, key, value, lse, grad_out):
         chunk.launch(_bwd_stats, BACKWARD_TILE, *operands, qpart, kpart)
         chunk.launch(_bwd_grads, BACKWARD_TILE, *operands, delta, qpart, kpart, dqt, NW=32)
         # now scores holds the gradient of the products (scale included), d_probs the composed probabilities
-        dq[:, :, t0:t1] = torch.matmul(scores, k)
-        dk[:, :, s0:s1] += torch.matmul(scores.transpose(-1, -2), query[:, :, t0:t1])
-        dv[:, :, s0:s1] += torch.matmul(d_probs.transpose(-1, -2), d_out[:, :, t0:t1])
+        dq[:, :, t0:t1] = grouped_matmul(scores, k)
+        dk[:, :, s0:s1] += torch.matmul(group_rows(scores, Nkv).transpose(-1, -2), q)
+        dv[:, :, s0:s1] += torch.matmul(group_rows(d_probs, Nkv).transpose(-1, -2), g)
         if dkt is not None:
             dkt[..., s0:s1] += kpart.sum(-2)
     if not call.spans:
@@ -664,7 +681,7 @@ class _DCMHAFunction(torch.autograd.Function):
 def dcmha_triton(inputs: DCMHAInputs, budget: int = MEMORY_BUDGET, chunk: int | None = None) -> torch.Tensor:
     """DCMHA of the call `inputs` by the Triton kernels, differentiable: the output [B, T, N, Dh]; chunks of queries
     whose transient memory stays within `budget` bytes, or of `chunk` queries where given."""
-    problem = unsupported(inputs.query.device, inputs.rank)
+    problem = unsupported(inputs.query.device, inputs.rank) or kv_heads_problem(inputs)
     if problem is not None:
         raise ValueError(f"the Triton DCMHA kernels cannot run: {problem}")
     qt, kt = (None if t is None else t.float() for t in inputs.time_last_terms())
@@ -695,7 +712,7 @@ class TritonBackend(DCMHABackend):
             return "no composition (use_dcmha=False)"
         if output_attentions:
             return "it does not return the attention probabilities (output_attentions=True)"
-        return unsupported(inputs.query.device, inputs.rank)
+        return unsupported(inputs.query.device, inputs.rank) or kv_heads_problem(inputs)
 
     def why_not_auto(self, inputs: DCMHAInputs, output_attentions: bool = False) -> str | None:
         device = inputs.query.device

@@ -102,13 +102,14 @@ def _source_link(config, base_model: str | None) -> str | None:
 
 def model_card(config, *, model_name: str, repo_id: str | None = None, license: str | None = "apache-2.0",
                base_model: str | None = None, eval_results=None, tags: list[str] | None = None,
-               weights: str | None = None, tokenizer: bool = True):
+               weights: str | None = None, tokenizer: bool = True, license_name: str | None = None,
+               license_link: str | None = None):
     """The `ModelCard` of a DCFormer model of `config`. `base_model`: by default a converted model's Hub source.
     `eval_results`: lm-eval results (only whole-benchmark runs enter the `model-index`). `repo_id`: for the usage
     snippets. `weights`: the saved weights' fingerprint (a converted model trained since is said to be so).
     `tokenizer`: whether the model is saved with its tokenizer; without, the usage loads the tokenizer of the model
     it was converted from (or `base_model`) where that is a Hub id, and otherwise says to load the one it was
-    trained with."""
+    trained with. `license_name`, `license_link`: the Hub's metadata for `license="other"`."""
     if base_model is None and is_hub_id(getattr(config, "converted_from", None)):
         base_model = config.converted_from
     converted = is_hub_id(getattr(config, "converted_from", None)) and config.converted_from == base_model
@@ -124,7 +125,8 @@ def model_card(config, *, model_name: str, repo_id: str | None = None, license: 
         for r in full
     ]
     data = ModelCardData(
-        library_name="transformers", pipeline_tag="text-generation", license=license, base_model=base_model,
+        library_name="transformers", pipeline_tag="text-generation", license=license, license_name=license_name,
+        license_link=license_link, base_model=base_model,
         tags=list(dict.fromkeys([*MODEL_TAGS, *(tags or [])])), model_name=model_name if evals else None,
         eval_results=evals or None,
     )

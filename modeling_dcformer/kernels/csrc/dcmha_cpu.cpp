@@ -781,7 +781,8 @@ static at::Tensor dynamic_terms(const at::Tensor &x_in, const at::Tensor &dw1_in
    cache hold them (time second, any strides) and copied time-last here. At a decode step the Python around the
    chunked path (its matrix products, the factors' time-last copies, the checks) costs several times the
    operator's own work; here it is one call.
-   query [B, N, T, Dh], key and value [B, N, S, Dh] (fp32, the last dimension contiguous); query_terms
+   query [B, N, T, Dh], key and value [B, Nkv, S, Dh] with Nkv dividing N, query head n reading key/value head
+   n / (N / Nkv) (fp32, the last dimension contiguous); query_terms
    [B, T, G, 2, 2I+1, M], key_terms [B, S, G, 2, 2I+1, M] or none (fp32); key_padding_mask [B, S] uint8 contiguous
    or none; query t at absolute position query_pos0 + t, key j at key_pos0 + j. Returns [B, T, N, Dh]. */
 static void fp32_rows(const at::Tensor &t, const char *name, int64_t dims) {
@@ -798,8 +799,10 @@ static at::Tensor dcmha_decode(const at::Tensor &query, const at::Tensor &key, c
     fp32_rows(key, "key", 4);
     fp32_rows(value, "value", 4);
     const int64_t B = query.size(0), N = query.size(1), T = query.size(2), Dh = query.size(3), S = key.size(2);
-    TORCH_CHECK(key.size(0) == B && key.size(1) == N && key.size(3) == Dh && value.sizes().equals(key.sizes()),
+    const int64_t Nkv = key.size(1);
+    TORCH_CHECK(key.size(0) == B && Nkv >= 1 && N % Nkv == 0 && key.size(3) == Dh && value.sizes().equals(key.sizes()),
                 "query ", query.sizes(), ", key ", key.sizes(), " and value ", value.sizes(), " do not match");
+    const int64_t rep = N / Nkv; /* query head n reads key/value head n / rep */
     TORCH_CHECK(rank >= 1 && rank <= MAX_RANK, "the DCMHA CPU kernel supports 1 <= dynamic_rank <= ", MAX_RANK);
     TORCH_CHECK(num_groups >= 1 && N % num_groups == 0, "bad num_groups");
     const int64_t G = num_groups, M = N / G, I = rank, W = 2 * I + 1;
@@ -852,7 +855,7 @@ static at::Tensor dcmha_decode(const at::Tensor &query, const at::Tensor &key, c
                     const float *q = qp + b * qs[0] + n * qs[1] + t * qs[2];
                     float *row = scores.data() + (m * T + t) * S;
                     for (int64_t j = 0; j < S; j++) {
-                        const float *k = kp + b * ks[0] + n * ks[1] + j * ks[2];
+                        const float *k = kp + b * ks[0] + (n / rep) * ks[1] + j * ks[2];
                         vf acc = vf{};
                         int64_t d = 0;
                         for (; d + VL <= Dh; d += VL) acc += loadv(q + d) * loadv(k + d);
@@ -873,7 +876,7 @@ static at::Tensor dcmha_decode(const at::Tensor &query, const at::Tensor &key, c
                     float *o = op + ((b * T + t) * N + n) * Dh;
                     for (int64_t d = 0; d < Dh; d++) o[d] = 0.0f;
                     for (int64_t j = 0; j < S; j++) {
-                        const float pj = p[j], *v = vp + b * vs[0] + n * vs[1] + j * vs[2];
+                        const float pj = p[j], *v = vp + b * vs[0] + (n / rep) * vs[1] + j * vs[2];
                         if (pj != 0.0f)
                             for (int64_t d = 0; d < Dh; d++) o[d] += pj * v[d];
                     }
