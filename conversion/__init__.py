@@ -5,4 +5,6 @@
 - `released`: the authors' released DCFormer checkpoints re-saved in our names (`dcformer-convert-released`).
 
 `converter` is the skeleton they fill in (check, source, config, tensors, verify, finalize, push); `common` holds the
-pieces it is built from (sources, shards, the output folder, provenance)."""
+pieces it is built from (sources, shards, the output folder, provenance); `exact` is the skeleton of a conversion
+whose output computes the source's function (the exact DCMHA initialisation, its options, the verification), on which
+`pythia` and `llama` are built."""

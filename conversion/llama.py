@@ -23,7 +23,6 @@ and a model card (base_model: the source when it is a Hub id; licence: the sourc
 loads with `trust_remote_code=True` where this package is not installed; `--push-to-hub REPO` then uploads it.
 """
 
-import argparse
 import importlib
 import math
 import re
@@ -39,17 +38,9 @@ from transformers.utils import logging
 from modeling_dcformer import DCFormerConfig
 from modeling_dcformer.configuration_dcformer import LAYER_TYPES, ROPE_TYPES
 from modeling_dcformer.conversion.common import SOURCE_CARD, one_line
-from modeling_dcformer.conversion.converter import HUB, ConversionOptions, Converter, UnknownTensor, flag
-from modeling_dcformer.conversion.pythia import (
-    DEFAULT_INIT_SCALE,
-    DEFAULT_TOLERANCE,
-    VERIFY_DEFAULT_MAX_PARAMS,
-    VerificationError,
-    dtype_name,
-    init_dynamic_weights_exact,
-    max_logit_difference,
-)
-from modeling_dcformer.modeling_dcformer import DCFormerRotaryEmbedding, DynamicWeightProjection
+from modeling_dcformer.conversion.converter import HUB, UnknownTensor, flag
+from modeling_dcformer.conversion.exact import ExactConverter, ExactOptions, kept_config_fields, max_logit_difference
+from modeling_dcformer.modeling_dcformer import DCFormerRotaryEmbedding
 
 logger = logging.get_logger(__name__)
 
@@ -236,28 +227,15 @@ def dcformer_config(family: Family, source, src_has_head_dim: bool) -> DCFormerC
     qwen3 = family.model_type == "qwen3"
     try:
         config = DCFormerConfig(
-            vocab_size=source.vocab_size,
-            hidden_size=source.hidden_size,
-            num_hidden_layers=source.num_hidden_layers,
-            num_attention_heads=source.num_attention_heads,
+            **kept_config_fields(source),
             num_key_value_heads=source.num_key_value_heads,
             head_dim=head_dim if src_has_head_dim else None,
-            intermediate_size=source.intermediate_size,
-            hidden_act=source.hidden_act,
             use_gated_mlp=True,
             norm_type="rmsnorm",
             layer_norm_eps=source.rms_norm_eps,
             use_parallel_residual=False,
             **attention_biases(family, source),
-            max_position_embeddings=source.max_position_embeddings,
             rope_parameters=rope,
-            initializer_range=source.initializer_range,
-            use_cache=source.use_cache,
-            bos_token_id=source.bos_token_id,
-            eos_token_id=source.eos_token_id,
-            pad_token_id=source.pad_token_id,
-            tie_word_embeddings=source.tie_word_embeddings,
-            use_dcmha=True,
             use_qk_norm=qwen3,
             qk_norm_eps=source.rms_norm_eps if qwen3 else 1e-6,
             window_size=window_size,
@@ -286,53 +264,21 @@ def source_card_license(src_dir: Path) -> dict:
     return {key: value for key, value in found.items() if isinstance(value, str) and value}
 
 
-def source_parameter_count(shapes: dict[str, tuple[int, ...]]) -> int:
-    """Parameters the source holds: every tensor of the converted model but the dynamic-weight projections."""
-    return sum(math.prod(shape) for key, shape in shapes.items() if ".dyn_w_proj." not in key)
-
-
-def new_layer_tensors(config: DCFormerConfig, layer: int, dtype: torch.dtype, scale: float,
-                      generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """A layer's dynamic-weight projection, initialised exactly (`init_dynamic_weights_exact`), in `dtype`."""
-    proj = DynamicWeightProjection(config)
-    init_dynamic_weights_exact(proj, scale, generator)
-    prefix = f"model.layers.{layer}.self_attn.dyn_w_proj"
-    return {f"{prefix}.{name}": p.detach().to(dtype) for name, p in proj.named_parameters()}
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Conversion
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
-class LlamaOptions(ConversionOptions):
-    """`dcformer-convert-llama`'s options: the common ones, the initialisation of the new weights and the
-    verification."""
+class LlamaOptions(ExactOptions):
+    """`dcformer-convert-llama`'s options: those of an exact conversion (`ExactOptions`: the common ones, the
+    initialisation of the new weights, the verification), the licence's default read from the source."""
 
     license: str | None = flag(
         None, "--license", group=HUB,
         help="license in the model card's metadata (default: the one the source's model card states, if any)",
     )
-    init_scale: float = flag(
-        DEFAULT_INIT_SCALE,
-        "--init-scale",
-        type=float,
-        help=f"std of the random halves of the dynamic weights (default {DEFAULT_INIT_SCALE}); the function is "
-        "exact whatever the scale",
-    )
-    seed: int = flag(0, "--seed", type=int, help="seed of the dynamic-weight init (default 0)")
-    verify: bool | None = flag(
-        None,
-        "--verify",
-        action=argparse.BooleanOptionalAction,
-        help="compare both models' fp32 logits on a few sentences, before any --dtype cast (default: on up to 1.1B "
-        "parameters)",
-    )
-    tolerance: float = flag(
-        DEFAULT_TOLERANCE, "--tolerance", type=float, help="largest allowed |logit difference| (1e-4)"
-    )
 
 
-class LlamaConverter(Converter):
+class LlamaConverter(ExactConverter):
     """Llama / Qwen2 / Qwen3 / Mistral -> DCFormer++: the same tensors (q, k, v fused), plus the dynamic-weight
     projections initialised exactly; verified against the source's logits."""
 
@@ -345,17 +291,8 @@ class LlamaConverter(Converter):
     def __init__(self, src: str, dst: str, options: LlamaOptions):
         super().__init__(src, dst, options)
         self.family: Family | None = None
-        self.num_params = 0
-        self.layer_dtypes: dict[int, torch.dtype] = {}
         self.pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (layer, weight/bias) -> q/k/v read
         self.license: dict = {}
-
-    def check_options(self) -> None:
-        o = self.options
-        if not (isinstance(o.init_scale, (int, float)) and math.isfinite(o.init_scale) and o.init_scale > 0):
-            raise ValueError(f"--init-scale must be a positive number, got {o.init_scale!r}")
-        if not (isinstance(o.tolerance, (int, float)) and o.tolerance >= 0):  # NaN too: no difference would fail it
-            raise ValueError(f"--tolerance must be a number >= 0, got {o.tolerance!r}")
 
     def make_config(self, raw: dict) -> DCFormerConfig:
         self.family, source = read_source_config(raw, self.src)
@@ -365,13 +302,10 @@ class LlamaConverter(Converter):
         return config
 
     def conversion_record(self) -> dict:
-        return {
-            "dynamic_weights_init": "exact (active/dormant halves, dd = 0)",
-            "init_scale": self.options.init_scale,
-            "seed": self.options.seed,
-            "exact": True,
-            **({"source_license": self.license["license"]} if "license" in self.license else {}),
-        }
+        record = super().conversion_record()
+        if "license" in self.license:
+            record["source_license"] = self.license["license"]
+        return record
 
     def map_tensor(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if IGNORED.search(key):
@@ -402,69 +336,24 @@ class LlamaConverter(Converter):
         return [(f"model.layers.{layer}.self_attn.qkv_proj.{kind}", torch.cat([parts[p] for p in "qkv"]))]
 
     def added_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each layer's dynamic-weight projection, drawn in fp32 and cast once to its final dtype: `--dtype`, else
-        its layer's. A layer whose q, k and v did not all come is refused first."""
+        """Each layer's dynamic-weight projection (`ExactConverter.added_tensors`); a layer whose q, k and v did not
+        all come is refused first."""
         if self.pending:
             (layer, kind), parts = min(self.pending.items())
             missing = [f"model.layers.{layer}.self_attn.{p}_proj.{kind}" for p in "qkv" if p not in parts]
             raise ValueError(f"the checkpoint lacks {', '.join(missing)} (it has the layer's other q/k/v "
                              "projections)")
-        generator = torch.Generator().manual_seed(self.options.seed)
-        default_dtype = max(set(self.written.values()) or {torch.float32}, key=lambda d: torch.finfo(d).bits)
-        for layer in range(self.config.num_hidden_layers):
-            dtype = self.dtype or self.layer_dtypes.get(layer, default_dtype)
-            yield from new_layer_tensors(self.config, layer, dtype, self.options.init_scale, generator).items()
-
-    def will_verify(self) -> bool:
-        verify = self.options.verify
-        if verify is None:
-            source_params = source_parameter_count(self.shapes)
-            verify = source_params <= VERIFY_DEFAULT_MAX_PARAMS
-            if not verify:
-                logger.warning(
-                    f"verify: skipped by default for {source_params / 1e9:.2f}B parameters (more than "
-                    f"{VERIFY_DEFAULT_MAX_PARAMS / 1e9:.1f}B); pass --verify to run it (one fp32 model in memory "
-                    "at a time)"
-                )
-        return verify
+        yield from super().added_tensors()
 
     def logit_difference(self, directory: Path) -> tuple[float, int, str]:
         source_class = self.family.transformers_class("ForCausalLM")
-        return max_logit_difference(self.src_dir, directory, self.config, source_class=source_class)
-
-    def verify(self, directory: Path, cast_to: torch.dtype | None) -> None:
-        compared = "fp32" if cast_to is None else f"fp32, before casting to {dtype_name(cast_to)}"
-        diff, count, how = self.logit_difference(directory)
-        self.config.conversion = {**self.config.conversion, "max_logit_difference": diff, "verified_in": compared}
-        tolerance = self.options.tolerance
-        passed = diff <= tolerance  # False for a NaN difference: a failure, never a pass
-        print(
-            f"verify: max |logit difference| ({compared}) on {count} sequences ({how}) = {diff:.3e} "
-            f"(bound {tolerance:.0e}): {'OK' if passed else 'FAILED'}"
-        )
-        if not passed:
-            raise VerificationError(
-                f"the converted model's logits differ from {self.src}'s by {diff:.3e} > {tolerance:.0e}; "
-                f"nothing was written to {self.dst}"
-            )
-
-    def verify_cast(self, directory: Path) -> None:
-        rounded = self.logit_difference(directory)[0]
-        self.config.conversion = {**self.config.conversion, "max_logit_difference_after_cast": rounded}
-        name = dtype_name(self.config.dtype)
-        print(
-            f"verify: after casting to {name}: max |logit difference| = {rounded:.3e} (the {name} rounding of "
-            "the weights, run in fp32; for information, not checked)"
-        )
+        return max_logit_difference(self.src_dir, directory, self.config, source_class)
 
     def card_metadata(self) -> dict:
         """--license, else the source card's licence metadata, else none (never one made up)."""
         if self.options.license is not None:
             return {"license": self.options.license}
         return {"license": None, **self.license}
-
-    def summary(self) -> str:
-        return f"{len(self.written)} tensors, {self.num_params / 1e6:.1f}M source parameters"
 
 
 def convert(src: str, dst: str, **options) -> Path:

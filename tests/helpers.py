@@ -5,7 +5,11 @@ import contextlib
 import fnmatch
 import json
 import math
+import os
 import re
+import subprocess
+import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -22,6 +26,7 @@ ATOL = 1e-5
 RTOL = 1e-5
 MARGIN = 0.05  # a variant of the computation must move the output by more than this to count as "detected"
 VOCAB, T_SEQ, BATCH, WINDOW = 64, 11, 2, 4
+ROOT = Path(__file__).resolve().parent.parent
 
 
 
@@ -364,3 +369,51 @@ def kv_copies(shapes: list[tuple], B: int, N: int, S: int, Dh: int) -> list[tupl
     """The shapes of `shapes` that hold keys or values once per query head: [B, N, S, Dh] or [B * N, S, Dh], or
     those transposed (S is a size no other tensor of the call has)."""
     return [s for s in shapes if s in {(B, N, S, Dh), (B * N, S, Dh), (B, N, Dh, S), (B * N, Dh, S)}]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A Python without the package: what a save's remote code meets where the package is not installed
+# ----------------------------------------------------------------------------------------------------------------
+WITHOUT_PACKAGE = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        # the package may sit in the same site-packages as torch (`pip install .` into a venv): hidden from here
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "modeling_dcformer":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    sys.meta_path.insert(0, NotInstalled())
+    """
+)
+
+
+def isolated_paths(paths: list[str], checkout: str | os.PathLike) -> list[str]:
+    """`sys.path` without the checkout's source folders (the checkout itself and what pytest's `pythonpath` adds
+    under it, such as tests/ and examples/): the folders of torch, transformers and their dependencies stay, also a
+    venv's site-packages inside the checkout (`python -m venv .venv`, as the README says)."""
+    checkout = Path(checkout).resolve()
+
+    def is_source(path: Path) -> bool:
+        return path.is_relative_to(checkout) and not {"site-packages", "dist-packages"} & set(path.parts)
+
+    return [p for p in paths if p and os.path.isdir(p) and not is_source(Path(p).resolve())]
+
+
+def run_without_the_package(script: str, folder: Path, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`script` (Python source) run where this package cannot be imported: `python -S -s` (no site hooks, so not
+    the editable install's finder; no user site, not the checkout) with PYTHONPATH holding only the folders of
+    torch, transformers and their dependencies (`isolated_paths`), the package hidden besides (`WITHOUT_PACKAGE`
+    runs first), one thread, an empty HF_HOME, offline, stdin closed. `folder` holds the script and is its working
+    directory and HOME; `args` are its arguments. Fails the test unless it exits 0; returns the finished process."""
+    folder = Path(folder)
+    path = folder / "without_package.py"
+    path.write_text(WITHOUT_PACKAGE + textwrap.dedent(script))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(folder), "HF_HOME": str(folder / "hf_home"),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "PYTHONPATH": os.pathsep.join(isolated_paths(sys.path, ROOT))}
+    proc = subprocess.run([sys.executable, "-S", "-s", str(path), *map(str, args)], cwd=folder, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc

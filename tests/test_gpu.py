@@ -43,6 +43,8 @@ BACKENDS = ["eager", "compiled", "triton"]
 # one configuration for the backend checks: local and global layers, two head groups, qk-norm, chunks of 5 (the
 # compiled stages are traced once and serve every test)
 SHARED = dict(use_qk_norm=True, window_size=4, num_head_groups=2, attention_chunk_size=5)
+# the same with grouped-query attention (2 key/value heads for 4 query heads, head_dim 12): the Llama-family shapes
+SHARED_SETS = {"mha": SHARED, "gqa": dict(SHARED, num_key_value_heads=2, head_dim=12)}
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)
 
 
@@ -64,10 +66,11 @@ def on_cuda(model):
     return copy.deepcopy(model).to(CUDA)
 
 
+@pytest.mark.parametrize("shared", list(SHARED_SETS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_logits_on_cuda_match_the_oracle(backend):
+def test_logits_on_cuda_match_the_oracle(backend, shared):
     """Each row's real tokens against the float64 oracle run on that row alone, and against the CPU's eager model."""
-    model = build_model(make_config(dcmha_implementation="eager", **SHARED))
+    model = build_model(make_config(dcmha_implementation="eager", **SHARED_SETS[shared]))
     input_ids, mask = padded_batch()
     gpu = on_cuda(model)
     gpu.config.dcmha_implementation = needs(backend)
@@ -82,9 +85,10 @@ def test_logits_on_cuda_match_the_oracle(backend):
         assert_close(logits[row, real], cpu[row, real], **FP32_TOL)
 
 
+@pytest.mark.parametrize("shared", list(SHARED_SETS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gradients_on_cuda_match_cpu_eager(backend):
-    model = build_model(make_config(dcmha_implementation="eager", **SHARED)).train()
+def test_gradients_on_cuda_match_cpu_eager(backend, shared):
+    model = build_model(make_config(dcmha_implementation="eager", **SHARED_SETS[shared])).train()
     input_ids, mask = padded_batch()
     _, expected = loss_and_grads(model, input_ids, mask)
     gpu = on_cuda(model)

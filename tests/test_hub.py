@@ -4,7 +4,6 @@ can; `push_to_hub` and the converters' `--push-to-hub` upload all of it (the Hub
 network)."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,12 +16,12 @@ from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import modeling_dcformer  # noqa: F401  (registers the auto classes)
-from conftest import ROOT, TINY, randomize_dyn_w
+from conftest import TINY, randomize_dyn_w
 from modeling_dcformer.conversion import released as released_converter
 from modeling_dcformer.conversion import pythia as p2d
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM, DCPythiaConfig, publishing
 from modeling_dcformer.publishing import model_card
-from helpers import fake_hub_cards, install_fake_hub
+from helpers import fake_hub_cards, install_fake_hub, isolated_paths, run_without_the_package
 from released_checkpoint import released_dir
 
 # What computes travels (the model, its config, cache, the DCMHA interface and PyTorch backends, the load-time checks);
@@ -103,16 +102,9 @@ def saved(tmp_path_factory):
 
 ISOLATED_SCRIPT = textwrap.dedent(
     """
-    import importlib.abc, importlib.util, json, sys
+    import importlib.util, json, sys
     from pathlib import Path
 
-    class NotInstalled(importlib.abc.MetaPathFinder):
-        # the package may sit in the same site-packages as torch (`pip install .` into a venv): hidden from here
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "modeling_dcformer":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-    sys.meta_path.insert(0, NotInstalled())
     try:
         report = {"spec": repr(importlib.util.find_spec("modeling_dcformer"))}
     except ModuleNotFoundError:
@@ -163,35 +155,12 @@ ISOLATED_SCRIPT = textwrap.dedent(
 )
 
 
-def isolated_paths(paths: list[str], checkout: str | os.PathLike) -> list[str]:
-    """`sys.path` without the checkout's source folders (the checkout itself and what pytest's `pythonpath` adds
-    under it, such as tests/ and examples/): the folders of torch, transformers and their dependencies stay, also a
-    venv's site-packages inside the checkout (`python -m venv .venv`, as the README says)."""
-    checkout = Path(checkout).resolve()
-
-    def is_source(path: Path) -> bool:
-        return path.is_relative_to(checkout) and not {"site-packages", "dist-packages"} & set(path.parts)
-
-    return [p for p in paths if p and os.path.isdir(p) and not is_source(Path(p).resolve())]
-
-
 @pytest.fixture(scope="module")
 def isolated(saved):
-    """Runs ISOLATED_SCRIPT once over every saved directory: `python -S -s` (no site hooks, so not the editable
-    install's finder; no user site, not the checkout) with PYTHONPATH holding only the directories of torch,
-    transformers and their dependencies (`isolated_paths`), the package itself hidden, an empty HF_HOME and
-    offline."""
+    """Runs ISOLATED_SCRIPT once over every saved directory in a Python that cannot import the package
+    (`run_without_the_package`)."""
     root = next(iter(saved.values())).parent
-    paths = isolated_paths(sys.path, ROOT)
-    (root / "isolated.py").write_text(ISOLATED_SCRIPT)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root), "HF_HOME": str(root / "hf_home"),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
-           "PYTHONPATH": os.pathsep.join(paths)}
-    proc = subprocess.run(
-        [sys.executable, "-S", "-s", str(root / "isolated.py"), str(root), *saved],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_without_the_package(ISOLATED_SCRIPT, root, root, *saved)
     return root, json.loads((root / "report.json").read_text())
 
 
@@ -319,14 +288,8 @@ def test_remote_code_can_be_left_out(tmp_path):
 
 CARD_SNIPPET_SCRIPT = textwrap.dedent(
     """
-    import importlib.abc, sys, time
+    import sys, time
 
-    class NotInstalled(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "modeling_dcformer":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-    sys.meta_path.insert(0, NotInstalled())
     start = time.monotonic()
     exec(open(sys.argv[1]).read())  # the card's snippet for a Python without the package
     print("vocabulary", len(tokenizer), type(model).__module__.split(".")[0], f"{time.monotonic() - start:.1f}s")
@@ -350,14 +313,7 @@ def test_card_snippet_without_the_package_never_prompts(tmp_path):
     card = (folder / "README.md").read_text()
     snippet = card.split("Anywhere else", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     (tmp_path / "snippet.py").write_text(snippet)
-    (tmp_path / "run.py").write_text(CARD_SNIPPET_SCRIPT)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-           "PYTHONPATH": os.pathsep.join(isolated_paths(sys.path, ROOT))}
-    proc = subprocess.run([sys.executable, "-S", "-s", str(tmp_path / "run.py"), str(tmp_path / "snippet.py")],
-                          cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = run_without_the_package(CARD_SNIPPET_SCRIPT, tmp_path, tmp_path / "snippet.py", timeout=300)
     assert "custom code" not in proc.stdout + proc.stderr, proc.stdout[-2000:]
     assert f"vocabulary {TINY['vocab_size']} transformers_modules" in proc.stdout
 

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -35,10 +34,9 @@ from modeling_dcformer import DCFormerForCausalLM
 from modeling_dcformer.conversion import llama as l2d
 from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHAInputs
 from modeling_dcformer.dcmha_compiled import COMPILED
+from helpers import run_without_the_package
 from test_convert_tools import assert_one_line, tree
-from test_hub import isolated_paths
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 VOCAB, PAD = 320, 0
@@ -73,7 +71,7 @@ TEXTS = ["The harbour town wakes before the boats come in.", "Gulls follow the l
 # ----------------------------------------------------------------------------------------------------------------
 def sharpen_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Weights large enough that attention is sharp and the logits are O(1..10) (tied embeddings too): every norm's
-    scale spread around 1 (not all ones), matrices at 1.5 / sqrt(fan-in), embeddings N(0, 0.2^2), biases N(0, 0.1^2)."""
+    scale spread near 1 (not all ones), matrices at 1.5 / sqrt(fan-in), embeddings N(0, 0.2^2), biases N(0, 0.1^2)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -333,15 +331,9 @@ def test_one_training_step_moves_every_dcmha_weight(name, converted):
 # ----------------------------------------------------------------------------------------------------------------
 REMOTE_SCRIPT = textwrap.dedent(
     """
-    import importlib.abc, json, sys
+    import json, sys
     from pathlib import Path
 
-    class NotInstalled(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "modeling_dcformer":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-    sys.meta_path.insert(0, NotInstalled())
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(1)
@@ -362,14 +354,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 def test_remote_code_alone_loads_and_computes_the_source(converted, tmp_path):
     ids = random_ids(20)
     torch.save(ids, tmp_path / "ids.pt")
-    (tmp_path / "remote.py").write_text(REMOTE_SCRIPT)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
-           "PYTHONPATH": os.pathsep.join(isolated_paths(sys.path, ROOT))}
-    folders = [str(dst) for _, dst in converted.values()]
-    proc = subprocess.run([sys.executable, "-S", "-s", str(tmp_path / "remote.py"), str(tmp_path), *folders],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_without_the_package(REMOTE_SCRIPT, tmp_path, tmp_path, *(dst for _, dst in converted.values()))
     report = json.loads((tmp_path / "report.json").read_text())
     assert report.pop("top_level") == ["transformers_modules"], report  # the copies, never the package
     for name, (src, dst) in converted.items():

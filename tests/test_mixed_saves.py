@@ -15,8 +15,6 @@ with the package installed, its reader lock and the config read again.
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,11 +22,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from conftest import ROOT
-from helpers import build_model, make_config
+from helpers import build_model, make_config, run_without_the_package
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 from modeling_dcformer.configuration_dcformer import PACKAGE
-from test_hub import isolated_paths
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -256,15 +252,9 @@ def test_quantized_sharded_saves_load_and_a_mixed_one_is_refused(tmp_path, metho
 # ----------------------------------------------------------------------------------------------------------------
 REMOTE_SCRIPT = textwrap.dedent(
     """
-    import importlib.abc, json, os, sys
+    import json, os, sys
     from pathlib import Path
 
-    class NotInstalled(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "modeling_dcformer":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-    sys.meta_path.insert(0, NotInstalled())
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.set_num_threads(1)
@@ -291,13 +281,7 @@ def test_remote_code_without_the_package_refuses_a_mixed_load_and_loads_again(tm
     for layout in LAYOUTS:
         save(model_of(0), tmp_path / layout, layout)
         save(model_of(1), tmp_path / f"{layout}-next", layout)
-    (tmp_path / "remote.py").write_text(REMOTE_SCRIPT)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
-           "PYTHONPATH": os.pathsep.join(isolated_paths(sys.path, ROOT))}
-    proc = subprocess.run([sys.executable, "-S", "-s", str(tmp_path / "remote.py"), str(tmp_path)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_without_the_package(REMOTE_SCRIPT, tmp_path, tmp_path)
     report = json.loads((tmp_path / "report.json").read_text())
     expected = model_of(1).state_dict()
     for layout in LAYOUTS:

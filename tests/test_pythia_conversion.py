@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 import modeling_dcformer  # noqa: F401  (registers "dcformer" with the Auto classes)
 from modeling_dcformer.conversion import pythia as p2d
+from modeling_dcformer.conversion.exact import init_dynamic_weights_exact
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 from helpers import sharpen_neox_
 
@@ -283,7 +284,7 @@ def test_init_function_is_exact_on_any_dcformer(tiny_config):
     config = tiny_config(window_size=3, window_type="LG", use_qk_norm=True, num_head_groups=2)
     torch.manual_seed(0)
     model = DCFormerForCausalLM(config).eval()
-    p2d.init_dynamic_weights_exact(model, 0.5, torch.Generator().manual_seed(0))
+    init_dynamic_weights_exact(model, 0.5, torch.Generator().manual_seed(0))
     plain = DCFormerForCausalLM(DCFormerConfig(**{**config.to_dict(), "use_dcmha": False})).eval()
     missing, _ = plain.load_state_dict(model.state_dict(), strict=False)
     assert not missing
@@ -291,14 +292,14 @@ def test_init_function_is_exact_on_any_dcformer(tiny_config):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)
     again = DCFormerForCausalLM(config)
-    p2d.init_dynamic_weights_exact(again, 0.5, torch.Generator().manual_seed(0))
+    init_dynamic_weights_exact(again, 0.5, torch.Generator().manual_seed(0))
     dyn = {name: p for name, p in again.named_parameters() if "dyn_w_proj" in name}
     assert len(dyn) == 3 * config.num_hidden_layers
     assert all(torch.equal(p, model.get_parameter(name)) for name, p in dyn.items())  # reproducible per generator
     with pytest.raises(ValueError, match="positive"):
-        p2d.init_dynamic_weights_exact(model, 0.0)
+        init_dynamic_weights_exact(model, 0.0)
     with pytest.raises(ValueError, match="no DCMHA"):
-        p2d.init_dynamic_weights_exact(torch.nn.Linear(2, 2))
+        init_dynamic_weights_exact(torch.nn.Linear(2, 2))
 
 
 # ----------------------------------------------------------------------------------------------------------------

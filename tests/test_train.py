@@ -392,7 +392,7 @@ def test_script_units():
     assert config_file("dcpythia-6.9b.json") == ROOT / "configuration" / "dcpythia-6.9b.json"
     assert config_file(str(ROOT / "configuration" / "dcformer-tiny.json")).is_file()
     assert config_file("EleutherAI/pythia-160m") is None  # a Hub id / directory: AutoConfig's job
-    with pytest.raises(FileNotFoundError, match="the presets are: dcformer-2.8b, dcformer-tiny"):
+    with pytest.raises(FileNotFoundError, match="the presets are: dcformer-2.8b, dcformer-llama-3.2-1b"):
         config_file("no-such-preset.json")
 
     config = DCFormerConfig.from_json_file(ROOT / "configuration" / "dcformer-tiny.json")
