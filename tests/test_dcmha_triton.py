@@ -134,12 +134,15 @@ def test_triton_matches_oracle_forward_and_backward(case, budget):
 
 
 @pytest.mark.usefixtures("runs_here")
-@pytest.mark.parametrize("case,budget,kv_heads", [("pad-left-and-right-window", SMALL_BUDGET, 2),
-                                                  ("pad-left-and-right-window", SMALL_BUDGET, 1),
-                                                  ("rank3-groups2-cached", dcmha_triton.MEMORY_BUDGET, 2),
-                                                  ("rank3-groups2-cached", dcmha_triton.MEMORY_BUDGET, 1),
-                                                  ("querywise-groups2", SMALL_BUDGET, 2)],
-                         ids=["window-chunks-kv2", "window-chunks-kv1", "cached-kv2", "cached-kv1", "querywise-kv2"])
+# one key/value head (multi-query attention) with `pytest -m expensive` (about 12 s each in the interpreter): the
+# default run has two key/value heads on each path
+@pytest.mark.parametrize("case,budget,kv_heads", [
+    pytest.param("pad-left-and-right-window", SMALL_BUDGET, 2, id="window-chunks-kv2"),
+    pytest.param("pad-left-and-right-window", SMALL_BUDGET, 1, id="window-chunks-kv1", marks=pytest.mark.expensive),
+    pytest.param("rank3-groups2-cached", dcmha_triton.MEMORY_BUDGET, 2, id="cached-kv2"),
+    pytest.param("rank3-groups2-cached", dcmha_triton.MEMORY_BUDGET, 1, id="cached-kv1", marks=pytest.mark.expensive),
+    pytest.param("querywise-groups2", SMALL_BUDGET, 2, id="querywise-kv2"),
+])
 def test_triton_with_grouped_kv_heads_matches_oracle_and_expanded_heads(case, budget, kv_heads):
     """Query heads (4, or 6 query-wise) on 2 or 1 key/value heads: the output and the gradients of q, k, v and the
     factors against the oracle, and against the call with the keys and values copied per query head."""
@@ -148,7 +151,7 @@ def test_triton_with_grouped_kv_heads_matches_oracle_and_expanded_heads(case, bu
 
 
 @pytest.mark.usefixtures("runs_here")
-@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("kv_heads", [2, pytest.param(1, marks=pytest.mark.expensive)])
 def test_triton_never_copies_grouped_kv_heads_per_query_head(kv_heads):
     """Forward and backward over two chunks with every op's outputs recorded: none has the shape of the keys or
     values once per query head (S = 13 is no other size of the call); the recorder does see such a copy
