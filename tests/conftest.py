@@ -83,3 +83,19 @@ def tiny_model(tiny_config):
         return model
 
     return make
+
+
+@pytest.fixture(scope="module")
+def aot_eager_compile():
+    """"compiled" through torch.compile's `aot_eager` backend for a module's tests: the same tracing, dynamic shapes
+    and autograd as with Inductor, without generating C++ (seconds instead of a minute). Once for the module: the
+    stages' graphs serve every test (their lengths are dynamic); Inductor again afterwards. A module takes it with
+    `pytestmark = pytest.mark.usefixtures("aot_eager_compile")`, a test by naming it."""
+    from modeling_dcformer.dcmha_compiled import COMPILED
+
+    torch._dynamo.reset()
+    COMPILED.reset("aot_eager")
+    yield
+    COMPILED.reset("inductor")
+    torch._dynamo.reset()
+

@@ -26,24 +26,13 @@ from helpers import (
 from modeling_dcformer import DCFormerConfig, DCFormerForCausalLM
 from modeling_dcformer.kernels import dcmha_triton
 from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHAInterface
-from modeling_dcformer.dcmha_compiled import COMPILED
 from oracle import oracle_dcmha_layer, oracle_visible
 from transformers import AutoModelForCausalLM
 
-pytestmark = pytest.mark.usefixtures("one_thread_per_module")
+pytestmark = pytest.mark.usefixtures("one_thread_per_module", "aot_eager_compile")
 
 TRANSFORMERS_ATTENTION = ["sdpa", "flash_attention_2", "flex_attention"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton: on a GPU, else in its interpreter (conftest.py)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def aot_eager_compile():
-    """"compiled" through torch.compile's `aot_eager` backend (the same tracing and autograd, no C++ to build)."""
-    torch._dynamo.reset()
-    COMPILED.reset("aot_eager")
-    yield
-    COMPILED.reset("inductor")
-    torch._dynamo.reset()
 
 
 def attention_config(**overrides) -> DCFormerConfig:

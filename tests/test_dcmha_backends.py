@@ -28,7 +28,7 @@ from modeling_dcformer import DCFormerConfig, dcmha, dcmha_compiled
 from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHABackend, DCMHAInputs, DCMHAInterface
 from modeling_dcformer.dcmha_compiled import COMPILED
 
-pytestmark = pytest.mark.usefixtures("one_thread_each_test")
+pytestmark = pytest.mark.usefixtures("one_thread_each_test", "aot_eager_compile")
 
 BUILT_IN = ["eager", "compiled", "cpu", "triton"]
 # what each built-in backend computes (the conformance checks follow from it)
@@ -42,18 +42,6 @@ def probe_inputs(requires_grad: bool = False) -> DCMHAInputs:
     q, k, v = (torch.randn(B, N, T, Dh, generator=gen).requires_grad_(requires_grad) for _ in range(3))
     terms = torch.randn(B, T, G, 2, 2 * I + 1, N // G, generator=gen)
     return DCMHAInputs(q, k, v, terms, terms.clone(), 0, 0, None, None, I, G, 4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def aot_eager_compile():
-    """"compiled" through torch.compile's `aot_eager` backend: the same tracing, dynamic shapes and autograd as
-    with Inductor, without generating C++ (seconds instead of a minute). Once for the module: the stages' graphs
-    serve every test (their lengths are dynamic)."""
-    torch._dynamo.reset()
-    COMPILED.reset("aot_eager")
-    yield
-    COMPILED.reset("inductor")
-    torch._dynamo.reset()
 
 
 def usable(name: str) -> str:

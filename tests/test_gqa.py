@@ -88,12 +88,12 @@ def test_the_cache_keeps_only_the_key_value_heads(static):
 
 
 @pytest.mark.parametrize("backend", ["eager", "compiled"])
+@pytest.mark.usefixtures("aot_eager_compile")
 def test_pytorch_backends_never_copy_grouped_kv_heads(backend):
     """The pure-PyTorch backends (what a save carries as remote code), forward and backward over chunks with a
     window and padding, every op's outputs recorded: none holds the keys or values once per query head (the
     kernels: tests/test_dcmha_cpu.py, tests/test_dcmha_triton.py). S (29 keys) is no other size of the call."""
     from modeling_dcformer import dcmha
-    from modeling_dcformer.dcmha_compiled import COMPILED
 
     B, N, Nkv, G, I, Dh, T, S = 2, 4, 2, 2, 2, 6, 21, 29
     gen = torch.Generator().manual_seed(0)
@@ -101,18 +101,10 @@ def test_pytorch_backends_never_copy_grouped_kv_heads(backend):
     k, v = (torch.randn(B, Nkv, S, Dh, generator=gen, requires_grad=True) for _ in range(2))
     qt, kt = (torch.randn(B, L, G, 2, 2 * I + 1, N // G, generator=gen, requires_grad=True) for L in (T, S))
     pad = torch.rand(B, S, generator=gen) > 0.2
-    if backend == "compiled":
-        torch._dynamo.reset()
-        COMPILED.reset("aot_eager")
-    try:
-        with OutputShapes() as recorded:
-            inputs = dcmha.DCMHAInputs(q, k, v, qt, kt, S - T, 0, pad, 5, I, G, 8)  # a cached prefix of S - T keys
-            out, _ = dcmha.dcmha_attention(inputs, backend)
-            out.square().sum().backward()
-    finally:
-        if backend == "compiled":
-            COMPILED.reset("inductor")
-            torch._dynamo.reset()
+    with OutputShapes() as recorded:
+        inputs = dcmha.DCMHAInputs(q, k, v, qt, kt, S - T, 0, pad, 5, I, G, 8)  # a cached prefix of S - T keys
+        out, _ = dcmha.dcmha_attention(inputs, backend)
+        out.square().sum().backward()
     assert q.grad is not None and k.grad.shape == (B, Nkv, S, Dh) and kt.grad.abs().sum() > 0
     assert kv_copies(recorded.shapes, B, N, S, Dh) == []
     with OutputShapes() as control:  # the recorder sees a copy per query head where one is made

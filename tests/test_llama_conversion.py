@@ -33,7 +33,6 @@ import modeling_dcformer  # noqa: F401  (registers "dcformer" with the Auto clas
 from modeling_dcformer import DCFormerForCausalLM
 from modeling_dcformer.conversion import llama as l2d
 from modeling_dcformer.dcmha import DCMHA_BACKENDS, DCMHAInputs
-from modeling_dcformer.dcmha_compiled import COMPILED
 from helpers import run_without_the_package
 from test_convert_tools import assert_one_line, tree
 
@@ -268,16 +267,6 @@ def gqa_probe(device: str) -> DCMHAInputs:
     terms = torch.randn(B, T, G, 2, 2 * I + 1, N // G, generator=gen)
     q, k, v, terms = (x.to(device) for x in (q, k, v, terms))
     return DCMHAInputs(q, k, v, terms, terms.clone(), 0, 0, None, None, I, G, 4)
-
-
-@pytest.fixture(scope="module")
-def aot_eager_compile():
-    """"compiled" through torch.compile's cheap `aot_eager` backend (as tests/test_dcmha_backends.py runs it)."""
-    torch._dynamo.reset()
-    COMPILED.reset("aot_eager")
-    yield
-    COMPILED.reset("inductor")
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("backend", ["eager", "compiled", "cpu", "triton"])

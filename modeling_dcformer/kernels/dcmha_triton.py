@@ -363,6 +363,27 @@ if triton is not None:
         if d_dd is not None:
             tl.store(kpart_ptr + head + 2 * I * rows + offs_s, d_dd, mask=offs_s < s)
 
+    @triton.jit
+    def _backward_block(blk, a_ptr, d_ptr, qt_ptr, kt_ptr, pad_ptr, lse_ptr, a_base, q_base, k_base, pad_base, head0,
+                        offs_r, offs_i, c, s, T, S, t0, M, query_pos0, key_pos0, window, scale, I: tl.constexpr,
+                        IP: tl.constexpr, HAS_KEY: tl.constexpr, HAS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        R: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+        """What both backward sweeps recompute for the key block `blk` of their rows: its keys (offs_s), which
+        scores are visible (ok), and the hidden values of the pre-softmax Compose (hq, hk), of the post-softmax
+        Compose of the probabilities (pq, pk) and of its vector-Jacobian product for their gradient, d_ptr
+        (gq, gk)."""
+        hs = c * s
+        post_q, post_k = q_base + (2 * I + 1) * M * T, k_base + (2 * I + 1) * M * S
+        offs_s = blk * BS + tl.arange(0, BS)
+        ok = _visible(offs_r, offs_s, c, s, pad_ptr, pad_base, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
+        hq, hk = _hidden(a_ptr, a_base, hs, qt_ptr, q_base, kt_ptr, k_base, offs_r, offs_s, offs_i, c, s, T, S, M,
+                         scale, I, IP, HAS_KEY, R, BS)  # fmt: skip
+        pq, pk = _post_hidden(a_ptr, a_base, hs, lse_ptr, head0 * T + t0, hq, hk, qt_ptr, q_base, kt_ptr, k_base, ok,
+                              offs_r, offs_s, offs_i, c, s, T, S, M, scale, I, IP, HAS_KEY, R, BS)  # fmt: skip
+        gq, gk = _back_hidden(d_ptr, a_base, hs, qt_ptr, post_q, kt_ptr, post_k, offs_r, offs_s, offs_i, c, s, T, S,
+                              M, I, IP, HAS_KEY, R, BS)  # fmt: skip
+        return offs_s, ok, hq, hk, pq, pk, gq, gk
+
     @triton.jit(do_not_specialize=OFFSETS)
     def _bwd_stats(a_ptr, qt_ptr, kt_ptr, pad_ptr, d_ptr, lse_ptr, dpart_ptr, qpart_ptr, kpart_ptr,
                    c, s, T, S, t0, s0, G, M, N, query_pos0, key_pos0, window, scale,
@@ -380,14 +401,10 @@ if triton is not None:
         post_q, post_k = q_base + (2 * I + 1) * M * T, k_base + (2 * I + 1) * M * S
         rb, rbs = tl.program_id(0), tl.cdiv(c, R)
         for blk in range(lo, hi):
-            offs_s = blk * BS + tl.arange(0, BS)
-            ok = _visible(offs_r, offs_s, c, s, pad_ptr, pad_base, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
-            hq, hk = _hidden(a_ptr, a_base, hs, qt_ptr, q_base, kt_ptr, k_base, offs_r, offs_s, offs_i, c, s, T, S,
-                             M, scale, I, IP, HAS_KEY, R, BS)  # fmt: skip
-            pq, pk = _post_hidden(a_ptr, a_base, hs, lse_ptr, head0 * T + t0, hq, hk, qt_ptr, q_base, kt_ptr, k_base,
-                                  ok, offs_r, offs_s, offs_i, c, s, T, S, M, scale, I, IP, HAS_KEY, R, BS)  # fmt: skip
-            gq, gk = _back_hidden(d_ptr, a_base, hs, qt_ptr, post_q, kt_ptr, post_k, offs_r, offs_s, offs_i, c, s,
-                                  T, S, M, I, IP, HAS_KEY, R, BS)  # fmt: skip
+            offs_s, ok, hq, hk, pq, pk, gq, gk = _backward_block(
+                blk, a_ptr, d_ptr, qt_ptr, kt_ptr, pad_ptr, lse_ptr, a_base, q_base, k_base, pad_base, head0, offs_r,
+                offs_i, c, s, T, S, t0, M, query_pos0, key_pos0, window, scale, I, IP, HAS_KEY, HAS_PAD, HAS_WINDOW,
+                R, BS)  # fmt: skip
             for n in range(M):
                 p = _probs(a_ptr, a_base + n * hs, lse_ptr, (head0 + n) * T + t0, hq, hk, qt_ptr, q_base + n * T,
                            kt_ptr, k_base + n * S, ok, offs_r, offs_s, offs_i, c, s, T, S, M, scale, I,
@@ -478,14 +495,10 @@ if triton is not None:
         post_q, post_k = q_base + (2 * I + 1) * M * T, k_base + (2 * I + 1) * M * S
         rb, rbs = tl.program_id(0), tl.cdiv(c, R)
         for blk in range(lo, hi):
-            offs_s = blk * BS + tl.arange(0, BS)
-            ok = _visible(offs_r, offs_s, c, s, pad_ptr, pad_base, query_pos0, key_pos0, window, HAS_PAD, HAS_WINDOW)
-            hq, hk = _hidden(a_ptr, a_base, hs, qt_ptr, q_base, kt_ptr, k_base, offs_r, offs_s, offs_i, c, s, T, S,
-                             M, scale, I, IP, HAS_KEY, R, BS)  # fmt: skip
-            pq, pk = _post_hidden(a_ptr, a_base, hs, lse_ptr, head0 * T + t0, hq, hk, qt_ptr, q_base, kt_ptr, k_base,
-                                  ok, offs_r, offs_s, offs_i, c, s, T, S, M, scale, I, IP, HAS_KEY, R, BS)  # fmt: skip
-            gq, gk = _back_hidden(d_ptr, a_base, hs, qt_ptr, post_q, kt_ptr, post_k, offs_r, offs_s, offs_i, c, s,
-                                  T, S, M, I, IP, HAS_KEY, R, BS)  # fmt: skip
+            offs_s, ok, hq, hk, pq, pk, gq, gk = _backward_block(
+                blk, a_ptr, d_ptr, qt_ptr, kt_ptr, pad_ptr, lse_ptr, a_base, q_base, k_base, pad_base, head0, offs_r,
+                offs_i, c, s, T, S, t0, M, query_pos0, key_pos0, window, scale, I, IP, HAS_KEY, HAS_PAD, HAS_WINDOW,
+                R, BS)  # fmt: skip
             zq = tl.zeros((IP, R, BS), tl.float32)  # the back hidden values of the pre-softmax Compose
             zk = tl.zeros((IP, R, BS), tl.float32)
             for m in range(M):
